@@ -1,0 +1,1 @@
+"""Prefect flows, their parameter model (the UI form), and the command-line interface."""

@@ -1,0 +1,39 @@
+"""RunParameters: the flow's typed parameters, which Prefect renders as the run form and validates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from influence_core import storage
+from influence_core.pipeline.store import RunStore
+from influence_core.specs import AggregateSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
+
+
+class RunParameters(BaseModel):
+    """One influence run: data, model, curvature method, compute, aggregation and where results go."""
+
+    model_config = ConfigDict(extra="forbid", title="Influence run")
+
+    output_url: str = Field("runs/demo", title="Output URL", description="Local directory or s3://bucket/prefix receiving influence.zarr, report.png and summary.json.")
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec, title="Dataset")
+    model: ModelSpec = Field(default_factory=ModelSpec, title="Model")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, title="Training")
+    method: MethodSpec = Field(default_factory=DirectMethod, title="Curvature method")
+    compute: ComputeSpec = Field(default_factory=ComputeSpec, title="Compute")
+    aggregate: AggregateSpec = Field(default_factory=AggregateSpec, title="Aggregation")
+    storage: StorageSpec = Field(default_factory=StorageSpec, title="Storage")
+
+    @field_validator("output_url")
+    @classmethod
+    def _supported_url(cls, value: str) -> str:
+        storage.validate_url(value, "output_url")
+        return value
+
+    def store(self) -> RunStore:
+        return RunStore(output_url=self.output_url, storage=self.storage)
+
+    def public_config(self) -> dict[str, Any]:
+        """The parameters as JSON; they hold no credentials by construction (those come from the environment)."""
+        return self.model_dump(mode="json")

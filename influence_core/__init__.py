@@ -1,0 +1,20 @@
+"""influence_core: influence functions for PyTorch models, usable on its own (no Prefect needed).
+
+score[t, i] = ∇ℓ(z_t)ᵀ (H + λI)⁻¹ ∇ℓ(z_i); positive means training example i helped query t.
+"""
+
+from .errors import ConfigError, NumericalError
+from .methods import CgInfluence, DirectInfluence, InfluenceFunctionModel
+from .objective import Objective
+from .version import CODE_VERSION, __version__
+
+__all__ = [
+    "CODE_VERSION",
+    "CgInfluence",
+    "ConfigError",
+    "DirectInfluence",
+    "InfluenceFunctionModel",
+    "NumericalError",
+    "Objective",
+    "__version__",
+]

@@ -1,0 +1,71 @@
+"""Uniform, re-iterable access to training data given as tensors, a DataLoader or Zarr arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, Union
+
+import numpy as np
+import torch
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Batches(Protocol):
+    """Anything that can be iterated more than once, yielding `(x, y)` batches."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+
+Data = Union[tuple[torch.Tensor, torch.Tensor], Iterable[Batch]]
+
+
+class TensorBatches:
+    """Row slices of in-memory tensors."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> None:
+        if len(x) != len(y):
+            raise ValueError(f"x has {len(x)} rows but y has {len(y)}: pass features and labels of the same length")
+        self.x, self.y, self.batch_size = x, y, max(1, int(batch_size))
+
+    def __iter__(self) -> Iterator[Batch]:
+        for start in range(0, len(self.x), self.batch_size):
+            yield self.x[start : start + self.batch_size], self.y[start : start + self.batch_size]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+class ArrayBatches:
+    """Row slices read lazily from array-likes (Zarr, numpy, Dask) so the data never sit in memory whole."""
+
+    def __init__(self, x: Any, y: Any, batch_size: int, start: int = 0, stop: int | None = None) -> None:
+        self.x, self.y, self.batch_size = x, y, max(1, int(batch_size))
+        self.start, self.stop = start, (y.shape[0] if stop is None else stop)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for lo in range(self.start, self.stop, self.batch_size):
+            hi = min(lo + self.batch_size, self.stop)
+            yield torch.from_numpy(np.asarray(self.x[lo:hi])), torch.from_numpy(np.asarray(self.y[lo:hi]))
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def as_batches(data: Data, batch_size: int) -> Batches:
+    """Wrap an `(x, y)` tuple of tensors in `TensorBatches`; pass re-iterables (DataLoader, ...) through."""
+    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        return TensorBatches(data[0], data[1], batch_size)
+    if iter(data) is data:  # type: ignore[arg-type]
+        raise TypeError("training data must be re-iterable (a DataLoader or an (x, y) tuple), not a one-shot iterator")
+    return data  # type: ignore[return-value]
+
+
+def count_rows(data: Batches) -> int:
+    """Number of examples, from `len` where the container knows it, else by one pass over the batches."""
+    dataset = getattr(data, "dataset", None)
+    if dataset is not None and hasattr(dataset, "__len__"):
+        return len(dataset)
+    if hasattr(data, "__len__") and not hasattr(data, "batch_sampler"):
+        return len(data)  # type: ignore[arg-type]
+    return sum(len(y) for _, y in data)

@@ -1,0 +1,40 @@
+"""Chunk and shard shapes of the scores array, derived from target byte sizes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+INNER_CHUNK_BYTES = 1 * 2**20  # what one read of a slice of scores pulls in
+MAX_TEST_ROWS_PER_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class ScoreLayout:
+    """`train_rows` training columns per task; each task writes exactly one shard of `shard` shape."""
+
+    n_test: int
+    n_train: int
+    train_rows: int
+    chunk: tuple[int, int]
+    shard: tuple[int, int]
+
+    @property
+    def n_tasks(self) -> int:
+        return math.ceil(self.n_train / self.train_rows)
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        lo = index * self.train_rows
+        return lo, min(lo + self.train_rows, self.n_train)
+
+
+def score_layout(n_test: int, n_train: int, target_shard_mb: float, train_rows: int | None = None, itemsize: int = 4) -> ScoreLayout:
+    """Shards of about `target_shard_mb` spanning all queries; inner chunks of about 1 MB that tile them exactly."""
+    test_rows = min(n_test, MAX_TEST_ROWS_PER_CHUNK)
+    inner_cols = max(1, INNER_CHUNK_BYTES // (itemsize * test_rows))
+    wanted = train_rows or max(1, int(target_shard_mb * 2**20) // (itemsize * n_test))
+    wanted = min(wanted, n_train)
+    inner_cols = min(inner_cols, wanted)
+    cols = math.ceil(wanted / inner_cols) * inner_cols  # a shard must hold whole chunks
+    shard_test = math.ceil(n_test / test_rows) * test_rows
+    return ScoreLayout(n_test, n_train, cols, (test_rows, inner_cols), (shard_test, cols))

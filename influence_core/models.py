@@ -1,0 +1,88 @@
+"""Model construction, training, and state-dict storage (always read back with weights_only=True)."""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import storage
+from .batches import TensorBatches
+from .errors import ConfigError
+from .losses import resolve_loss
+from .objective import Objective
+from .refs import DataRef
+from .specs import ModelSpec, TrainingSpec
+
+
+def output_width(spec: ModelSpec, data: DataRef) -> int:
+    """Explicit width, else one output per class, else one regression target."""
+    if spec.output_dim is not None:
+        return spec.output_dim
+    return data.n_classes if (spec.loss == "cross_entropy" and data.n_classes) else 1
+
+
+def build_model(spec: ModelSpec, data: DataRef) -> nn.Module:
+    """The untrained module for this data, in the spec's dtype."""
+    torch_dtype = getattr(torch, spec.dtype)
+    return spec.build(math.prod(data.feature_shape), output_width(spec, data)).to(torch_dtype)
+
+
+def check_model_fits(model: nn.Module, spec: ModelSpec, x: Any, y: Any) -> None:
+    """Raise a ConfigError naming the model when its outputs cannot be scored against the labels."""
+    Objective(model, spec.loss).check_outputs(torch.from_numpy(np.asarray(x[:2])), torch.from_numpy(np.asarray(y[:])))
+
+
+def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any) -> float:
+    """Fit with Adam and L2 weight decay; returns the final mean training loss."""
+    torch.manual_seed(training.seed)
+    loss_fn = resolve_loss(spec.loss)
+    objective = Objective(model, spec.loss)
+    optimiser = torch.optim.Adam(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
+    generator = torch.Generator().manual_seed(training.seed)
+    xs, ys = objective.to_model(torch.from_numpy(np.asarray(x[:])), torch.from_numpy(np.asarray(y[:])))
+    model.train()
+    for _ in range(training.epochs):
+        order = torch.randperm(len(ys), generator=generator)
+        for start in range(0, len(ys), training.batch_size):
+            idx = order[start : start + training.batch_size]
+            optimiser.zero_grad()
+            loss_fn(model(xs[idx]), ys[idx]).backward()
+            optimiser.step()
+    model.eval()
+    with torch.no_grad():
+        return float(sum(loss_fn(model(xb), yb) * len(yb) for xb, yb in TensorBatches(xs, ys, 4096)) / len(ys))
+
+
+def state_bytes(model: nn.Module) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    return buffer.getvalue()
+
+
+def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint") -> dict[str, torch.Tensor]:
+    """Read a state_dict from a local path or URL with weights_only=True (no arbitrary code from pickles)."""
+    try:
+        raw = storage.read_bytes(url, options)
+    except FileNotFoundError:
+        raise ConfigError(field, f"no checkpoint at {url!r}", "give the path or s3:// URL of a saved state_dict") from None
+    try:
+        state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ... for foreign files
+        raise ConfigError(field, f"{url!r} is not a weights-only state_dict ({type(exc).__name__})", "save it with torch.save(model.state_dict(), path)") from None
+    if not isinstance(state, dict):
+        raise ConfigError(field, f"{url!r} holds a {type(state).__name__}, not a state_dict", "save model.state_dict(), not the model")
+    return state
+
+
+def load_into(model: nn.Module, state: dict[str, torch.Tensor], field: str = "model.checkpoint") -> nn.Module:
+    """Load a state_dict, turning key or shape mismatches into an error that names the field."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ConfigError(field, f"the checkpoint does not fit the model ({str(exc).splitlines()[0]})", "match model.architecture/hidden/output_dim to the checkpoint") from None
+    return model.eval()

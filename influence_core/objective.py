@@ -1,0 +1,117 @@
+"""A model and its loss as pure functions of the chosen parameters, for torch.func transforms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jvp, vjp, vmap
+
+from .errors import ConfigError
+from .losses import LossFn, resolve_loss
+from .params import ParamSpace
+
+Params = dict[str, torch.Tensor]
+
+
+class Objective:
+    """Model outputs, mean loss, per-sample gradients and curvature-vector products at fixed parameters."""
+
+    def __init__(self, model: nn.Module, loss: LossFn | str, param_names: Iterable[str] | None = None) -> None:
+        self.model = model.eval()
+        self.loss_fn = resolve_loss(loss)
+        self.space = ParamSpace(model, param_names)
+
+    @property
+    def params(self) -> Params:
+        return self.space.params
+
+    def to_model(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move a batch to the parameters' device, and floating inputs and targets to their dtype."""
+        device, dtype = self.space.device, self.space.dtype
+        x = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+        y = y.to(device=device, dtype=dtype if y.is_floating_point() else y.dtype)
+        return x, y
+
+    def outputs(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, self.space.full_state(params), (x,))
+
+    def batch_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.outputs(params, x), y)
+
+    def _sample_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.batch_loss(params, x.unsqueeze(0), y.unsqueeze(0))
+
+    def per_sample_grads(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Gradients of each example's loss, shape (n, p), vectorised with vmap over grad."""
+        x, y = self.to_model(x, y)
+        try:
+            grads = vmap(grad(self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
+        except RuntimeError as exc:
+            raise _differentiability_error(exc) from exc
+        return self.space.flatten(grads, batch_dims=1)
+
+    def hessian_products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+        """Rows of `vectors` (k, p) times the Hessian of this batch's mean loss.
+
+        Reverse-over-reverse: one graph of the gradient, pulled back once per vector under vmap. (torch 2.13's
+        forward-over-reverse fails on some losses with "ZeroTensors are immutable".)
+        """
+        x, y = self.to_model(x, y)
+        _, pullback = vjp(lambda p: grad(self.batch_loss)(p, x, y), self.params)
+        out = vmap(lambda v: pullback(v)[0])(self.space.unflatten(vectors))
+        return self.space.flatten(out, batch_dims=1)
+
+    def gauss_newton_products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+        """Rows of `vectors` (k, p) times the generalised Gauss-Newton matrix Jᵀ ∇²ℓ(f) J of this batch."""
+        x, y = self.to_model(x, y)
+
+        def forward(p: Params) -> torch.Tensor:
+            return self.outputs(p, x)
+
+        out, pullback = vjp(forward, self.params)
+        out = out.detach()
+        loss_grad = grad(lambda o: self.loss_fn(o, y))
+
+        def single(v: Params) -> Params:
+            jv = jvp(forward, (self.params,), (v,))[1]
+            hjv = jvp(loss_grad, (out,), (jv,))[1]
+            return pullback(hjv)[0]
+
+        out_vectors = vmap(single)(self.space.unflatten(vectors))
+        return self.space.flatten(out_vectors, batch_dims=1)
+
+    def check_outputs(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Fail early, naming the model, when its outputs cannot be scored against the labels `y` (all of them)."""
+        xs, ys = self.to_model(x[:2], y[:2])
+        with torch.no_grad():
+            out = self.outputs(self.params, xs)
+        if not y.is_floating_point() and out.ndim == 2 and int(y.max()) >= out.shape[-1]:
+            raise ConfigError(
+                "model.output_dim",
+                f"the model emits {out.shape[-1]} columns but the labels go up to {int(y.max())}",
+                f"give the model {int(y.max()) + 1} outputs, one per class",
+            )
+        try:
+            value = self.loss_fn(out, ys)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            raise ConfigError(
+                "model",
+                f"model outputs of shape {tuple(out.shape)} do not fit labels of shape {tuple(ys.shape)} ({exc})",
+                "make the last layer emit one column per class (cross_entropy) or per target (mse)",
+            ) from None
+        if value.ndim != 0:
+            raise ConfigError("model.loss", f"the loss returned shape {tuple(value.shape)}", "return the mean loss, a scalar")
+
+
+def _differentiability_error(exc: RuntimeError) -> Exception:
+    """Turn torch.func's message about a non-differentiable graph into one that says what to change."""
+    text = str(exc)
+    if "does not require grad" in text or "not differentiable" in text or "grad_fn" in text:
+        return ConfigError(
+            "model",
+            f"the loss is not differentiable in the model parameters ({text.splitlines()[0]})",
+            "remove detach()/argmax/round from the forward pass and loss, and keep the parameters requires_grad=True",
+        )
+    return exc

@@ -1,0 +1,53 @@
+"""Stage 6: top-k helpful and harmful, argmax and train totals, written beside the scores."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dask
+import dask.array as da
+
+from .. import storage
+from ..aggregations import aggregate_scores
+from ..errors import ConfigError, NumericalError
+from ..refs import StageRef
+from ..specs import AggregateSpec
+from .stage import StageCall, StageLocation
+from .store import RunStore
+
+
+def plan(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageCall[StageRef]:
+    config = {"top_k": spec.top_k, "output_url": store.output_url}
+    return StageCall("aggregate", StageRef, config, {"scores": scores}, store)
+
+
+def check_top_k(spec: AggregateSpec, n_train: int) -> None:
+    if spec.top_k > n_train:
+        raise ConfigError("aggregate.top_k", f"top_k={spec.top_k} exceeds the {n_train} training examples", f"set aggregate.top_k to at most {n_train}")
+
+
+def _aggregate(spec: AggregateSpec, scores_ref: StageRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
+    scores = storage.open_array(scores_ref.url, store.options)
+    check_top_k(spec, scores.shape[1])
+    with dask.config.set(scheduler="threads"):
+        result = aggregate_scores(da.from_zarr(scores, chunks=scores.shards or scores.chunks), spec.top_k)
+    if result.missing:
+        raise NumericalError(f"{result.missing} scores are NaN: the scores are incomplete or the model diverged; rerun compute_influences")
+    group = storage.open_group(store.influence_url, store.options, mode="a")
+    outputs = {
+        "topk_helpful_indices": result.helpful_indices,
+        "topk_helpful_scores": result.helpful_scores,
+        "topk_harmful_indices": result.harmful_indices,
+        "topk_harmful_scores": result.harmful_scores,
+        "argmax": result.helpful_indices[:, 0],
+        "train_totals": result.train_totals,  # written last: its fingerprint marks the stage complete
+    }
+    for name, values in outputs.items():
+        array = group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape, overwrite=True)
+        array[...] = values
+        array.attrs["fingerprint"] = loc.key
+    return {"url": storage.join(store.influence_url, "train_totals"), "fingerprint": loc.key, "shape": result.helpful_indices.shape, "dtype": "int64"}
+
+
+def run(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageRef:
+    return plan(spec, scores, store).run(lambda loc: _aggregate(spec, scores, store, loc))

@@ -1,0 +1,90 @@
+"""The end of a run: report.png, summary.json and the group attributes, with status=complete written last."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from .. import storage
+from ..refs import DataRef, StageRef
+from ..report import QueryRow, render_report, topk_rows
+from ..version import CODE_VERSION
+from .loading import open_data
+from .store import RunStore
+
+SCHEMA_VERSION = 1
+PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
+
+
+def package_versions() -> dict[str, str]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def mark_running(store: RunStore) -> None:
+    """A run that touches an existing output flags it as in progress until it finishes."""
+    if storage.exists(storage.join(store.influence_url, "zarr.json"), store.options):
+        storage.open_group(store.influence_url, store.options, mode="a").attrs["status"] = "running"
+
+
+def query_rows(store: RunStore, data: DataRef, n_queries: int) -> list[QueryRow]:
+    group = storage.open_group(store.influence_url, store.options, mode="r")
+    arrays = open_data(data, store.options)
+    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries)
+
+
+def publish(
+    store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], n_queries: int
+) -> tuple[dict[str, Any], list[QueryRow]]:
+    """Write report.png and summary.json, then the group attributes; `status` becomes complete last."""
+    data = refs["prepare_data"]
+    assert isinstance(data, DataRef)
+    rows = query_rows(store, data, n_queries)
+    arrays = open_data(data, store.options)
+    storage.write_bytes(store.url("report.png"), render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape), store.options)
+    summary = {
+        "status": "complete",
+        "finished_at": datetime.now(timezone.utc).isoformat(),
+        "output_url": store.output_url,
+        "influence": store.influence_url,
+        "report": store.url("report.png"),
+        "n_train": data.n_train,
+        "n_test": data.n_test,
+        "stages": stages,
+        "config": config,
+        "code_version": CODE_VERSION,
+        "versions": package_versions(),
+    }
+    storage.write_json(store.url("summary.json"), summary, store.options)
+    group = storage.open_group(store.influence_url, store.options, mode="a")
+    group.attrs.update(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "config": config,
+            "fingerprints": {name: ref.fingerprint for name, ref in refs.items()},
+            "refs": {name: ref.model_dump(mode="json") for name, ref in refs.items()},
+            "versions": summary["versions"],
+            "stage_timings": {name: stage["seconds"] for name, stage in stages.items()},
+        }
+    )
+    group.attrs["status"] = "complete"
+    return summary, rows
+
+
+def read_run(store: RunStore, n_queries: int) -> tuple[dict[str, Any], list[QueryRow]]:
+    """A finished run's attributes and top-k rows; refuses runs whose status is not complete."""
+    try:
+        group = storage.open_group(store.influence_url, store.options, mode="r")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no influence.zarr under {store.output_url!r}: run the pipeline there first") from None
+    status = group.attrs.get("status")
+    if status != "complete":
+        raise RuntimeError(f"the run at {store.output_url!r} is not complete (status={status!r}): run it again to finish it")
+    data = DataRef.model_validate(group.attrs["refs"]["prepare_data"])
+    return dict(group.attrs), query_rows(store, data, n_queries)

@@ -1,0 +1,53 @@
+"""Stage 2: a trained (or loaded) model, stored as a state_dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import storage
+from ..models import build_model, check_model_fits, load_into, load_state, state_bytes, train
+from ..refs import DataRef, ModelRef
+from ..specs import ModelSpec, TrainingSpec
+from .loading import open_data
+from .stage import StageCall, StageLocation
+from .store import RunStore
+
+
+def plan(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore) -> StageCall[ModelRef]:
+    config: dict[str, Any] = {"model": spec.model_dump(mode="json")}
+    if spec.checkpoint:
+        config["checkpoint_stat"] = storage.stat_token(spec.checkpoint, store.options)
+    else:
+        config["training"] = training.model_dump(mode="json")
+    return StageCall("fit_model", ModelRef, config, {"data": data}, store)
+
+
+def _fit(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
+    arrays = open_data(data, store.options)
+    model = build_model(spec, data)
+    check_model_fits(model, spec, arrays["x_train"], arrays["y_train"])
+    if spec.checkpoint:
+        load_into(model, load_state(spec.checkpoint, store.options))
+        train_loss = None
+    else:
+        train_loss = train(model, spec, training, arrays["x_train"], arrays["y_train"])
+    raw = state_bytes(model)
+    url = loc.path("model.pt")
+    storage.write_bytes(url, raw, store.options)
+    first = next(model.parameters())
+    return {
+        "url": url,
+        "fingerprint": loc.key,
+        "shape": (sum(p.numel() for p in model.parameters()),),
+        "dtype": str(first.dtype).removeprefix("torch."),
+        "spec": spec.model_dump(mode="json"),
+        "in_features": int(torch.Size(data.feature_shape).numel()),
+        "out_features": int(model(torch.zeros(1, *data.feature_shape, dtype=first.dtype)).shape[-1]),
+        "train_loss": train_loss,
+    }
+
+
+def run(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore) -> ModelRef:
+    return plan(spec, training, data, store).run(lambda loc: _fit(spec, training, data, store, loc))

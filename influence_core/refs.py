@@ -1,0 +1,55 @@
+"""Small descriptions of stage outputs; they travel between stages instead of tensors."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Ref(BaseModel):
+    """Where a stage output lives and what it is; `fingerprint` identifies its content."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str
+    fingerprint: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class StageRef(Ref):
+    """A stage output plus when it was made and how long that took."""
+
+    stage: str
+    created_at: datetime
+    seconds: float
+
+
+class DataRef(StageRef):
+    """Train and query arrays in one Zarr group: x_train, y_train, x_test, y_test."""
+
+    arrays: dict[str, Ref]
+    n_classes: int | None
+    image_shape: tuple[int, ...] | None
+
+    @property
+    def n_train(self) -> int:
+        return self.arrays["y_train"].shape[0]
+
+    @property
+    def n_test(self) -> int:
+        return self.arrays["y_test"].shape[0]
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        return self.arrays["x_train"].shape[1:]
+
+
+class ModelRef(StageRef):
+    """A stored state_dict and what is needed to rebuild the module around it."""
+
+    spec: dict
+    in_features: int
+    out_features: int
+    train_loss: float | None

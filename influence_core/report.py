@@ -1,0 +1,117 @@
+"""What people look at: the top-k table per query and a PNG of queries beside their top training examples."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    index: int
+    label: Any
+    score: float
+
+
+@dataclass(frozen=True)
+class QueryRow:
+    query: int
+    label: Any
+    helpful: list[Neighbour]
+    harmful: list[Neighbour]
+
+
+def _label(value: Any) -> Any:
+    return int(value) if np.issubdtype(np.asarray(value).dtype, np.integer) else round(float(value), 4)
+
+
+def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3) -> list[QueryRow]:
+    """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples."""
+    n = min(n_queries, y_test.shape[0])
+    arrays = {name: np.asarray(group[name][:n, :n_show]) for name in ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores")}
+    needed = np.unique(np.concatenate([arrays["topk_helpful_indices"].ravel(), arrays["topk_harmful_indices"].ravel()]))
+    train_labels = dict(zip(needed.tolist(), np.asarray(y_train[needed])))
+    test_labels = np.asarray(y_test[:n])
+
+    def neighbours(kind: str, q: int) -> list[Neighbour]:
+        idx, val = arrays[f"topk_{kind}_indices"][q], arrays[f"topk_{kind}_scores"][q]
+        return [Neighbour(int(i), _label(train_labels[int(i)]), float(s)) for i, s in zip(idx, val)]
+
+    return [QueryRow(q, _label(test_labels[q]), neighbours("helpful", q), neighbours("harmful", q)) for q in range(n)]
+
+
+def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None) -> bytes:
+    """PNG: one line per query: the query, then its most helpful and most harmful training examples.
+
+    Images are drawn when the data are images; otherwise each example's first features are plotted.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_show = len(rows[0].helpful) if rows else 0
+    cols = 1 + 2 * n_show
+    fig, axes = plt.subplots(len(rows), cols, figsize=(1.6 * cols, 1.8 * len(rows)), squeeze=False)
+    for r, row in enumerate(rows):
+        cells = [("query", row.query, row.label, None, x_test)]
+        cells += [("helpful", n.index, n.label, n.score, x_train) for n in row.helpful]
+        cells += [("harmful", n.index, n.label, n.score, x_train) for n in row.harmful]
+        for c, (kind, index, label, score, source) in enumerate(cells):
+            ax = axes[r, c]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            colour = {"query": "black", "helpful": "tab:green", "harmful": "tab:red"}[kind]
+            features = np.asarray(source[index])
+            if image_shape:
+                ax.imshow(features.reshape(image_shape), cmap="gray_r")
+            else:
+                ax.plot(features.ravel()[:64], color=colour, linewidth=0.8)
+            title = f"{kind} #{index}\ny={label}" + ("" if score is None else f" s={score:.3g}")
+            ax.set_title(title, fontsize=7, color=colour)
+            for spine in ax.spines.values():
+                spine.set_edgecolor(colour)
+    fig.suptitle("Queries (left), most helpful (green) and most harmful (red) training examples", fontsize=9)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _cell(n: Neighbour) -> str:
+    return f"#{n.index} (y={n.label}) {n.score:+.3g}"
+
+
+def table_records(rows: list[QueryRow]) -> list[dict[str, Any]]:
+    """Flat records of the top-k table, one per query, for artifacts and CSV-like views."""
+    return [
+        {
+            "query": row.query,
+            "label": row.label,
+            **{f"helpful_{i + 1}": _cell(n) for i, n in enumerate(row.helpful)},
+            **{f"harmful_{i + 1}": _cell(n) for i, n in enumerate(row.harmful)},
+        }
+        for row in rows
+    ]
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """The run summary as markdown: outputs, stage outcomes and timings, configuration."""
+    lines = [
+        "# Influence run",
+        f"- status: **{summary['status']}**",
+        f"- scores and aggregates: `{summary['influence']}`",
+        f"- report: `{summary['report']}`",
+        f"- {summary['n_test']} queries x {summary['n_train']} training examples",
+        "",
+        "| stage | outcome | compute seconds | wall seconds this run |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {name} | {s['outcome']} | {s['seconds']:.2f} | {s['wall_seconds']:.2f} |" for name, s in summary["stages"].items()]
+    lines += ["", "## Configuration", "```json", json.dumps(summary["config"], indent=2, sort_keys=True), "```"]
+    return "\n".join(lines)

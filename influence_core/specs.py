@@ -1,0 +1,179 @@
+"""Typed, validated settings for every stage; the pipeline's parameter form is built from these.
+
+Every field has a title, a description and a default, so the Prefect UI renders a real form and the server
+refuses values out of range.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from torch import nn
+
+from .losses import LossName
+from .methods import CgInfluence, DirectInfluence, InfluenceFunctionModel
+
+
+class Spec(BaseModel):
+    """Base for settings: unknown keys are errors, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=True, validate_assignment=True)
+
+
+# -- dataset -----------------------------------------------------------------------------------------
+class DatasetSource(str, Enum):
+    digits = "digits"
+    synthetic_classification = "synthetic_classification"
+    synthetic_regression = "synthetic_regression"
+    npz = "npz"
+
+
+class DatasetSpec(Spec):
+    source: DatasetSource = Field(
+        DatasetSource.digits,
+        title="Source",
+        description="digits: scikit-learn's 8x8 digits; synthetic_*: seeded generated data; npz: a .npz file with "
+        "x_train, y_train, x_test, y_test (or x, y, split by test_fraction).",
+    )
+    path: str | None = Field(None, title="Path", description="File to read for source=npz.")
+    n_train: int | None = Field(None, ge=1, title="Training examples", description="Keep at most this many training examples (all when empty; synthetic: how many to generate).")
+    n_test: int | None = Field(None, ge=1, title="Query examples", description="Keep at most this many query examples (all when empty; synthetic: how many to generate).")
+    test_fraction: float = Field(0.2, gt=0, lt=1, title="Query fraction", description="Share of the data held out as queries when the source has no split.")
+    n_features: int = Field(20, ge=1, title="Features (synthetic)", description="Input dimension of synthetic data.")
+    n_classes: int = Field(2, ge=2, title="Classes (synthetic)", description="Number of classes of synthetic_classification.")
+    noise: float = Field(0.1, ge=0, title="Noise (synthetic)", description="Label noise scale of synthetic data.")
+    seed: int = Field(0, title="Seed", description="Seed of the split and of generated data.")
+    chunk_rows: int = Field(4096, ge=1, title="Rows per chunk", description="Rows per Zarr chunk of the stored arrays.")
+
+    @model_validator(mode="after")
+    def _path_fits_source(self) -> "DatasetSpec":
+        if self.source == DatasetSource.npz.value:
+            if not self.path:
+                raise ValueError("dataset.path is required for source=npz: give the .npz file to read")
+            if "://" not in self.path and not Path(self.path).expanduser().exists():
+                raise ValueError(f"dataset.path {self.path!r} does not exist: give an existing .npz file")
+        return self
+
+
+# -- model and training --------------------------------------------------------------------------------
+class Architecture(str, Enum):
+    mlp = "mlp"
+    linear = "linear"
+
+
+class Activation(str, Enum):
+    tanh = "tanh"
+    relu = "relu"
+    gelu = "gelu"
+
+
+class ModelSpec(Spec):
+    architecture: Architecture = Field(Architecture.mlp, title="Architecture", description="mlp: fully connected with `hidden` layers; linear: one linear layer (linear/logistic regression).")
+    hidden: list[Annotated[int, Field(ge=1)]] = Field([32], title="Hidden widths", description="Width of each hidden layer of the MLP.")
+    activation: Activation = Field(Activation.tanh, title="Activation", description="Nonlinearity between MLP layers (tanh keeps the Hessian smooth).")
+    output_dim: int | None = Field(None, ge=1, title="Outputs", description="Output width; empty means one per class (classification) or 1 (regression).")
+    loss: LossName = Field("cross_entropy", title="Loss", description="Training loss, also the loss whose influence is measured.")
+    checkpoint: str | None = Field(None, title="Checkpoint", description="A state_dict file (local or s3://) to load instead of training; read with torch.load(weights_only=True).")
+    dtype: Literal["float32", "float64"] = Field("float32", title="Precision", description="Parameter dtype; results follow it.")
+
+    def build(self, in_features: int, out_features: int) -> nn.Module:
+        """Construct the module described here (weights random until trained or loaded)."""
+        if self.architecture == Architecture.linear.value:
+            return nn.Sequential(nn.Flatten(), nn.Linear(in_features, out_features))
+        act = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}[self.activation]
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = in_features
+        for h in self.hidden:
+            layers += [nn.Linear(width, h), act()]
+            width = h
+        layers.append(nn.Linear(width, out_features))
+        return nn.Sequential(*layers)
+
+
+class TrainingSpec(Spec):
+    epochs: int = Field(60, ge=0, title="Epochs", description="Passes over the training data.")
+    batch_size: int = Field(64, ge=1, title="Batch size", description="Mini-batch size of the optimiser.")
+    learning_rate: float = Field(1e-2, gt=0, title="Learning rate", description="Adam step size.")
+    weight_decay: float = Field(1e-3, ge=0, title="Weight decay", description="L2 penalty added to the training loss.")
+    seed: int = Field(0, title="Seed", description="Seed of initialisation and batch order.")
+
+
+# -- curvature methods ---------------------------------------------------------------------------------
+class MethodBase(Spec):
+    regularization: float = Field(1e-3, ge=0, title="λ (damping)", description="Added to the curvature: scores use (C + λI)⁻¹.")
+    second_order_mode: Literal["hessian", "gauss_newton"] = Field("gauss_newton", title="Curvature", description="hessian: exact Hessian of the mean loss; gauss_newton: its positive semi-definite Gauss-Newton part.")
+    batch_size: int = Field(256, ge=1, title="Batch size", description="Examples per vectorised gradient or curvature product; bounds memory.")
+
+    def build(self, model: nn.Module, loss: str) -> InfluenceFunctionModel:
+        """The influence model for these settings, not yet fitted."""
+        options = self.model_dump(exclude={"name"})
+        return METHOD_CLASSES[self.name](model, loss, **options)  # type: ignore[attr-defined]
+
+
+class DirectMethod(MethodBase):
+    name: Literal["direct"] = Field("direct", title="Method", description="Explicit curvature and Cholesky solve: exact, for up to a few thousand parameters.")
+
+
+class CgMethod(MethodBase):
+    name: Literal["cg"] = Field("cg", title="Method", description="Conjugate gradients on matrix-free curvature products.")
+    rtol: float = Field(1e-6, gt=0, lt=1, title="Relative tolerance", description="Stop each system when its residual falls below rtol·|b|.")
+    maxiter: int | None = Field(None, ge=1, title="Max iterations", description="Iteration cap per solve (empty: 10·p).")
+
+
+METHOD_CLASSES: dict[str, type[InfluenceFunctionModel]] = {"direct": DirectInfluence, "cg": CgInfluence}
+
+MethodSpec = Annotated[Union[DirectMethod, CgMethod], Field(discriminator="name")]
+
+
+# -- compute ---------------------------------------------------------------------------------------------
+class ClusterKind(str, Enum):
+    local = "local"
+    cuda = "cuda"
+    address = "address"
+    sequential = "sequential"
+
+
+class ComputeSpec(Spec):
+    cluster: ClusterKind = Field(ClusterKind.local, title="Cluster", description="local: a LocalCluster here; cuda: one worker per GPU (gpu extra); address: an existing scheduler; sequential: no Dask.")
+    address: str | None = Field(None, title="Scheduler address", description="For cluster=address, e.g. tcp://host:8786.")
+    n_workers: int = Field(2, ge=1, title="Workers", description="Worker processes of a local cluster.")
+    allow_multithreaded_workers: bool = Field(False, title="Allow multi-threaded workers", description="Accept workers with several threads although the method is not thread-safe.")
+    train_chunk_rows: int | None = Field(None, ge=1, title="Train rows per task", description="Training examples scored per task and written as one shard (empty: from target_shard_mb).")
+    target_shard_mb: float = Field(64.0, gt=0, title="Shard size (MB)", description="Target size of one shard of the scores array.")
+
+    @model_validator(mode="after")
+    def _address_given(self) -> "ComputeSpec":
+        if self.cluster == ClusterKind.address.value and not self.address:
+            raise ValueError("compute.address is required for cluster=address, e.g. tcp://127.0.0.1:8786")
+        return self
+
+
+class AggregateSpec(Spec):
+    top_k: int = Field(5, ge=1, title="Top k", description="How many most helpful and most harmful training examples to keep per query.")
+    report_queries: int = Field(6, ge=1, le=50, title="Queries in report", description="Queries shown in report.png and in the top-k table.")
+
+
+# -- storage -----------------------------------------------------------------------------------------------
+class StorageSpec(Spec):
+    endpoint_url: str | None = Field(None, title="S3 endpoint", description="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (empty: AWS). Credentials come from the environment, never from here.")
+    region: str | None = Field(None, title="S3 region", description="Region name for S3.")
+    cache_url: str | None = Field(None, title="Stage cache", description="Where stage outputs (data, model, curvature, factors) are kept; share it between runs to reuse them. Empty: <output_url>/stages.")
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _no_credentials_in_url(cls, value: str | None) -> str | None:
+        if value and "@" in value.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError("storage.endpoint_url must not carry credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment")
+        return value
+
+    def fsspec_options(self) -> dict[str, Any]:
+        """Options for fsspec/s3fs; listings are never cached, so completion checks see other writers."""
+        client: dict[str, Any] = {}
+        if self.endpoint_url:
+            client["endpoint_url"] = self.endpoint_url
+        if self.region:
+            client["region_name"] = self.region
+        return {"client_kwargs": client, "use_listings_cache": False} if client else {"use_listings_cache": False}

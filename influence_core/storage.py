@@ -1,0 +1,130 @@
+"""Where results live: local paths or s3:// URLs, opened through fsspec and Zarr v3."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import zarr
+from zarr.storage import FsspecStore, LocalStore
+
+from .errors import ConfigError
+
+REMOTE_SCHEMES = ("s3",)
+
+
+def scheme(url: str) -> str:
+    """The URL's scheme; '' for a plain local path."""
+    return url.split("://", 1)[0] if "://" in url else ""
+
+
+def validate_url(url: str, field: str = "output_url") -> str:
+    """Accept local paths, file:// and s3:// URLs; name the field and the fix otherwise."""
+    kind = scheme(url)
+    if kind not in ("", "file", *REMOTE_SCHEMES):
+        raise ConfigError(field, f"unsupported scheme {kind!r} in {url!r}", "use a local path, file:///path or s3://bucket/prefix")
+    if kind in REMOTE_SCHEMES and not url.split("://", 1)[1].strip("/"):
+        raise ConfigError(field, f"{url!r} names no bucket", "use s3://bucket/prefix")
+    return url.rstrip("/") if kind else str(Path(url.removeprefix("file://")).expanduser().absolute())
+
+
+def join(url: str, *parts: str) -> str:
+    """Append path parts to a local path or URL."""
+    return posixpath.join(url, *parts)
+
+
+def is_remote(url: str) -> bool:
+    return scheme(url) in REMOTE_SCHEMES
+
+
+def filesystem(url: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    """A synchronous fsspec filesystem and the path inside it."""
+    fs, path = fsspec.core.url_to_fs(url, **(options if is_remote(url) else {}))
+    return fs, path
+
+
+def zarr_store(url: str, options: dict[str, Any], read_only: bool = False) -> zarr.abc.store.Store:
+    """A Zarr store for the URL; for S3, FsspecStore.from_url builds the asynchronous filesystem zarr needs."""
+    if is_remote(url):
+        return FsspecStore.from_url(url, storage_options=options, read_only=read_only)
+    return LocalStore(validate_url(url), read_only=read_only)
+
+
+def open_group(url: str, options: dict[str, Any], mode: str = "a") -> zarr.Group:
+    return zarr.open_group(store=zarr_store(url, options, read_only=mode == "r"), mode=mode)
+
+
+def open_array(url: str, options: dict[str, Any], mode: str = "r") -> zarr.Array:
+    parent, name = url.rsplit("/", 1)
+    group = open_group(parent, options, mode="r" if mode == "r" else "a")
+    node = group[name]
+    assert isinstance(node, zarr.Array)
+    return node
+
+
+def write_bytes(url: str, data: bytes, options: dict[str, Any]) -> None:
+    fs, path = filesystem(url, options)
+    fs.mkdirs(posixpath.dirname(path), exist_ok=True)
+    fs.pipe_file(path, data)
+
+
+def read_bytes(url: str, options: dict[str, Any]) -> bytes:
+    fs, path = filesystem(url, options)
+    return fs.cat_file(path)
+
+
+def write_json(url: str, obj: Any, options: dict[str, Any]) -> None:
+    write_bytes(url, json.dumps(obj, indent=2, sort_keys=True, default=str).encode(), options)
+
+
+def read_json(url: str, options: dict[str, Any]) -> Any:
+    return json.loads(read_bytes(url, options))
+
+
+def exists(url: str, options: dict[str, Any]) -> bool:
+    fs, path = filesystem(url, options)
+    return bool(fs.exists(path))
+
+
+def remove(url: str, options: dict[str, Any]) -> None:
+    """Delete a file or a directory tree if present."""
+    fs, path = filesystem(url, options)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def list_names(url: str, options: dict[str, Any]) -> list[str]:
+    """Base names of the entries under a directory or prefix; empty when it does not exist."""
+    fs, path = filesystem(url, options)
+    try:
+        return [posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def check_writable(url: str, options: dict[str, Any], field: str = "output_url") -> None:
+    """Fail early when an S3 bucket is missing or unreachable, naming the bucket and the endpoint."""
+    if not is_remote(url):
+        return
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    endpoint = options.get("client_kwargs", {}).get("endpoint_url", "the default AWS endpoint")
+    fs, _ = filesystem(url, options)
+    try:
+        found = fs.exists(bucket)
+    except PermissionError as exc:
+        raise ConfigError(field, f"access to bucket {bucket!r} at {endpoint} was denied ({exc})", "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment") from None
+    except OSError as exc:
+        raise ConfigError(field, f"cannot reach bucket {bucket!r} at {endpoint} ({exc})", "check storage.endpoint_url and the network") from None
+    if not found:
+        raise ConfigError(field, f"S3 bucket {bucket!r} does not exist at {endpoint}", f"create it (e.g. `aws s3 mb s3://{bucket} --endpoint-url {endpoint}`) or point {field} at an existing bucket")
+
+
+def stat_token(url: str, options: dict[str, Any]) -> str:
+    """Size plus ETag or modification time: changes when the file's content is replaced."""
+    fs, path = filesystem(url, options)
+    info = fs.info(path)
+    stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created")
+    return f"{info.get('size')}:{stamp}"

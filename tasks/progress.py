@@ -1,0 +1,44 @@
+"""Progress of long stages: a Prefect progress artifact, a CLI bar on a terminal, and log lines."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from prefect import get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class ChunkProgress:
+    """Callable `(done, total)`, fed by the engine as train chunks finish."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self.artifact: UUID | None = None
+        self.bar: Progress | None = None
+        self.task_id = None
+        self.logged = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        percent = 100.0 * done / max(total, 1)
+        if self.artifact is None:
+            self.artifact = create_progress_artifact(percent, key="influence-progress", description=self.description)
+        else:
+            update_progress_artifact(self.artifact, percent)
+        self._bar(done, total)
+        decile = int(percent // 10)
+        if decile != self.logged or done == total:
+            self.logged = decile
+            get_run_logger().info("%s: %d/%d train chunks (%.0f%%)", self.description, done, total, percent)
+
+    def _bar(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=False)
+            if not self.bar.console.is_terminal:
+                self.bar = None
+                return
+            self.bar.start()
+            self.task_id = self.bar.add_task(self.description, total=total)
+        self.bar.update(self.task_id, completed=done)
+        if done >= total:
+            self.bar.stop()

@@ -1,0 +1,59 @@
+"""The six stage tasks. Each returns a small ref; caching is keyed on fingerprints and config, never tensors."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from influence_core.cluster import dask_client
+from influence_core.pipeline import aggregation, preconditioner, prepare, scoring
+from influence_core.pipeline import factors as factor_stage
+from influence_core.pipeline import training as training_stage
+from influence_core.pipeline.store import RunStore
+from influence_core.refs import DataRef, ModelRef, StageRef
+from influence_core.specs import METHOD_CLASSES, AggregateSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec
+
+from .policy import STAGE_OPTIONS, StagePolicy
+from .progress import ChunkProgress
+
+
+@task(name="prepare_data", cache_policy=StagePolicy(planner=prepare.plan), **STAGE_OPTIONS)
+def prepare_data(spec: DatasetSpec, store: RunStore) -> DataRef:
+    """Dataset → row-chunked Zarr arrays with a content fingerprint."""
+    return prepare.run(spec, store)
+
+
+@task(name="fit_model", cache_policy=StagePolicy(planner=training_stage.plan), **STAGE_OPTIONS)
+def fit_model(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore) -> ModelRef:
+    """Train the model (or load its checkpoint) and store its state_dict."""
+    return training_stage.run(spec, training, data, store)
+
+
+@task(name="fit_preconditioner", cache_policy=StagePolicy(planner=preconditioner.plan), **STAGE_OPTIONS)
+def fit_preconditioner(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore) -> StageRef:
+    """Fit the curvature state of the chosen method and store it."""
+    return preconditioner.run(method, model, data, store)
+
+
+@task(name="compute_test_factors", cache_policy=StagePolicy(planner=factor_stage.plan), **STAGE_OPTIONS)
+def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore) -> StageRef:
+    """(C + λI)⁻¹ ∇ℓ for every query, once per run."""
+    return factor_stage.run(method, model, data, curvature, store)
+
+
+@task(name="compute_influences", cache_policy=StagePolicy(planner=scoring.plan), **STAGE_OPTIONS)
+def compute_influences(
+    compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore
+) -> StageRef:
+    """Scores for every (query, training example), one train chunk per Dask task; resumes where it stopped."""
+    thread_safe = METHOD_CLASSES[method.name].thread_safe
+    return scoring.run(
+        compute, method, model, data, curvature, factors, store,
+        client_factory=lambda: dask_client(compute, thread_safe),
+        on_progress=ChunkProgress("compute_influences"),
+    )
+
+
+@task(name="aggregate", cache_policy=StagePolicy(planner=aggregation.plan), **STAGE_OPTIONS)
+def aggregate(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageRef:
+    """Top-k helpful and harmful, argmax and train totals, streamed over the scores."""
+    return aggregation.run(spec, scores, store)
