@@ -34,12 +34,11 @@ def build_model(spec: ModelSpec, data: DataRef) -> nn.Module:
 
 def check_model_fits(model: nn.Module, spec: ModelSpec, x: Any, y: Any) -> None:
     """Raise a ConfigError naming the model when its outputs cannot be scored against the labels."""
-    Objective(model, spec.loss).check_outputs(torch.from_numpy(np.asarray(x[:2])), torch.from_numpy(np.asarray(y[:])))
+    Objective(model, spec.loss).check_outputs(torch.from_numpy(np.asarray(x[:64])), torch.from_numpy(np.asarray(y[:])))
 
 
 def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any) -> float:
-    """Fit with Adam and L2 weight decay; returns the final mean training loss."""
-    torch.manual_seed(training.seed)
+    """Fit with Adam and L2 weight decay, batch order seeded; returns the final mean training loss."""
     loss_fn = resolve_loss(spec.loss)
     objective = Objective(model, spec.loss)
     optimiser = torch.optim.Adam(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)

@@ -46,10 +46,7 @@ class Objective:
     def per_sample_grads(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of each example's loss, shape (n, p), vectorised with vmap over grad."""
         x, y = self.to_model(x, y)
-        try:
-            grads = vmap(grad(self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
-        except RuntimeError as exc:
-            raise _differentiability_error(exc) from exc
+        grads = vmap(grad(self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
         return self.space.flatten(grads, batch_dims=1)
 
     def hessian_products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
@@ -83,10 +80,11 @@ class Objective:
         return self.space.flatten(out_vectors, batch_dims=1)
 
     def check_outputs(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Fail early, naming the model, when its outputs cannot be scored against the labels `y` (all of them)."""
-        xs, ys = self.to_model(x[:2], y[:2])
-        with torch.no_grad():
-            out = self.outputs(self.params, xs)
+        """Fail early, naming the field, when outputs cannot be scored against the labels `y` (pass them all) or
+        when the loss does not depend differentiably on the parameters."""
+        xs, ys = self.to_model(x[:64], y[:64])
+        live = {name: p.detach().requires_grad_(True) for name, p in self.params.items()}
+        out = self.outputs(live, xs)
         if not y.is_floating_point() and out.ndim == 2 and int(y.max()) >= out.shape[-1]:
             raise ConfigError(
                 "model.output_dim",
@@ -103,15 +101,10 @@ class Objective:
             ) from None
         if value.ndim != 0:
             raise ConfigError("model.loss", f"the loss returned shape {tuple(value.shape)}", "return the mean loss, a scalar")
-
-
-def _differentiability_error(exc: RuntimeError) -> Exception:
-    """Turn torch.func's message about a non-differentiable graph into one that says what to change."""
-    text = str(exc)
-    if "does not require grad" in text or "not differentiable" in text or "grad_fn" in text:
-        return ConfigError(
-            "model",
-            f"the loss is not differentiable in the model parameters ({text.splitlines()[0]})",
-            "remove detach()/argmax/round from the forward pass and loss, and keep the parameters requires_grad=True",
-        )
-    return exc
+        grads = torch.autograd.grad(value, list(live.values()), allow_unused=True) if value.grad_fn is not None else [None]
+        if all(g is None or not bool(g.any()) for g in grads):
+            raise ConfigError(
+                "model",
+                "the loss is not differentiable in the model parameters (its gradient is cut or identically zero)",
+                "remove detach()/argmax/round from the forward pass and the loss",
+            )

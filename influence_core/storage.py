@@ -28,7 +28,9 @@ def validate_url(url: str, field: str = "output_url") -> str:
         raise ConfigError(field, f"unsupported scheme {kind!r} in {url!r}", "use a local path, file:///path or s3://bucket/prefix")
     if kind in REMOTE_SCHEMES and not url.split("://", 1)[1].strip("/"):
         raise ConfigError(field, f"{url!r} names no bucket", "use s3://bucket/prefix")
-    return url.rstrip("/") if kind else str(Path(url.removeprefix("file://")).expanduser().absolute())
+    if kind in REMOTE_SCHEMES:
+        return url.rstrip("/")
+    return str(Path(url.removeprefix("file://")).expanduser().absolute())
 
 
 def join(url: str, *parts: str) -> str:

@@ -55,6 +55,8 @@ class InfluenceFunctionModel(ABC):
     def fit(self, train: Data) -> Self:
         """Compute the curvature state from training data (a DataLoader or an (x, y) tuple)."""
         self.train = as_batches(train, self.batch_size)
+        x, y = next(iter(self.train))
+        self.objective.check_outputs(x, y)
         self._fit()
         self._fitted = True
         return self

@@ -5,12 +5,13 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import numpy as np
 import torch
 import zarr
 from torch import nn
 
 from .. import storage
-from ..batches import ArrayBatches
+from ..batches import ArrayBatches, Batches, TensorBatches
 from ..methods import InfluenceFunctionModel
 from ..models import load_into, load_state
 from ..refs import DataRef, ModelRef, StageRef
@@ -23,9 +24,20 @@ def open_data(data: DataRef, options: dict[str, Any]) -> dict[str, zarr.Array]:
     return {name: group[name] for name in data.arrays}  # type: ignore[misc]
 
 
-def train_batches(data: DataRef, options: dict[str, Any], batch_size: int) -> ArrayBatches:
+IN_MEMORY_BYTES = 1 << 30  # training sets up to this size are read once; larger ones stream from the store
+
+
+def train_batches(data: DataRef, options: dict[str, Any], batch_size: int) -> Batches:
+    """The training set for curvature passes: held in memory when small, else streamed chunk by chunk.
+
+    Matrix-free methods pass over the data once per iteration, so re-reading a small set from S3 each time
+    would dominate their cost.
+    """
     arrays = open_data(data, options)
-    return ArrayBatches(arrays["x_train"], arrays["y_train"], batch_size)
+    x, y = arrays["x_train"], arrays["y_train"]
+    if x.nbytes + y.nbytes <= IN_MEMORY_BYTES:
+        return TensorBatches(torch.from_numpy(np.asarray(x[...])), torch.from_numpy(np.asarray(y[...])), batch_size)
+    return ArrayBatches(x, y, batch_size)
 
 
 def load_model(model: ModelRef, options: dict[str, Any]) -> nn.Module:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,8 +75,25 @@ def _scorer(job: ScoreJob) -> _Scorer:
         return _SCORERS[job.key]
 
 
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Chunks run single-threaded everywhere (parallelism comes from workers), so every cluster kind,
+    sequential included, produces bit-identical scores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def score_chunk(job: ScoreJob, index: int) -> int:
     """Score training rows of chunk `index` against every query; write the shard, then the marker."""
+    with _one_torch_thread():
+        return _score_chunk(job, index)
+
+
+def _score_chunk(job: ScoreJob, index: int) -> int:
     scorer = _scorer(job)
     lo, hi = job.layout.bounds(index)
     x = torch.from_numpy(np.asarray(scorer.x[lo:hi]))

@@ -26,7 +26,9 @@ def plan(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore
 
 def _fit(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
     arrays = open_data(data, store.options)
-    model = build_model(spec, data)
+    with torch.random.fork_rng():
+        torch.manual_seed(training.seed)  # initialisation is part of the seeded, reproducible fit
+        model = build_model(spec, data)
     check_model_fits(model, spec, arrays["x_train"], arrays["y_train"])
     if spec.checkpoint:
         load_into(model, load_state(spec.checkpoint, store.options))

@@ -1,0 +1,61 @@
+"""Real parts for tests: a moto S3 server on 127.0.0.1, a Prefect API on a temporary database, a Dask LocalCluster."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+# Credentials for the local S3 server come from the environment, as in production; they are dummies here.
+os.environ.update(
+    {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "PREFECT_LOCAL_STORAGE_PATH": tempfile.mkdtemp(prefix="prefect-results-"),
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on a free port of 127.0.0.1; s3fs reaches it through endpoint_url."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    """A fresh, empty bucket per test."""
+    import s3fs
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}).mkdir(name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[None]:
+    """A real Prefect API on a temporary SQLite database, for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def dask_address(s3_endpoint: str) -> Iterator[str]:
+    """A real LocalCluster with 2 single-threaded worker processes, reached by address as an existing cluster."""
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        yield cluster.scheduler_address

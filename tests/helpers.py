@@ -1,0 +1,48 @@
+"""Small shared builders for tests: tiny pipeline parameters and reference computations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from flows.parameters import RunParameters
+from influence_core import storage
+from influence_core.pipeline.loading import load_model, open_data
+from influence_core.pipeline.store import RunStore
+from influence_core.refs import DataRef, ModelRef
+
+
+def small_params(output_url: str, **overrides: Any) -> RunParameters:
+    """Digits subset, a small MLP, exact Gauss-Newton influence: seconds per run."""
+    config: dict[str, Any] = {
+        "output_url": output_url,
+        "dataset": {"n_train": 240, "n_test": 12, "chunk_rows": 64},
+        "model": {"hidden": [8]},
+        "training": {"epochs": 15},
+        "method": {"name": "direct", "regularization": 1e-3},
+        "compute": {"cluster": "sequential", "train_chunk_rows": 64},
+        "aggregate": {"top_k": 4, "report_queries": 3},
+    }
+    for key, value in overrides.items():
+        section, _, field = key.partition("__")
+        if field:
+            config.setdefault(section, {})[field] = value
+        else:
+            config[section] = value
+    return RunParameters.model_validate(config)
+
+
+def read_outputs(store: RunStore) -> tuple[zarr.Group, dict[str, np.ndarray]]:
+    group = storage.open_group(store.influence_url, store.options, mode="r")
+    return group, {name: np.asarray(group[name][...]) for name in group.array_keys()}
+
+
+def stored_model_and_data(store: RunStore, group: zarr.Group) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The trained model and the stored arrays, read back independently of the pipeline's own loaders."""
+    refs = group.attrs["refs"]
+    model = load_model(ModelRef.model_validate(refs["fit_model"]), store.options)
+    arrays = open_data(DataRef.model_validate(refs["prepare_data"]), store.options)
+    return model, {name: torch.from_numpy(np.asarray(arr[...])) for name, arr in arrays.items()}

@@ -1,0 +1,95 @@
+"""Bad input fails early with an error that names the field and says what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch import nn
+
+from flows.parameters import RunParameters
+from influence_core import ConfigError, DirectInfluence, storage
+from influence_core.pipeline import prepare, training
+from influence_core.pipeline.aggregation import check_top_k
+from influence_core.pipeline.store import RunStore
+from influence_core.specs import AggregateSpec, DatasetSpec, ModelSpec, TrainingSpec
+
+
+def error_fields(exc: ValidationError) -> list[str]:
+    return [".".join(str(p) for p in err["loc"]) for err in exc.errors()]
+
+
+def test_unknown_method_name_names_the_field():
+    with pytest.raises(ValidationError) as info:
+        RunParameters.model_validate({"method": {"name": "newton"}})
+    assert error_fields(info.value) == ["method"]
+    assert "'direct'" in str(info.value) and "'cg'" in str(info.value)  # lists what is allowed
+
+
+def test_unknown_method_option_is_refused():
+    with pytest.raises(ValidationError) as info:
+        RunParameters.model_validate({"method": {"name": "direct", "rtol": 1e-3}})
+    assert error_fields(info.value) == ["method.direct.rtol"]
+
+
+def test_missing_dataset_path_names_the_field(tmp_path):
+    with pytest.raises(ValidationError, match=r"dataset.path .*does not exist"):
+        RunParameters.model_validate({"dataset": {"source": "npz", "path": str(tmp_path / "nope.npz")}})
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/run", "ftp://host/x", "s3://"])
+def test_unsupported_output_url_names_the_field(url):
+    with pytest.raises(ValidationError) as info:
+        RunParameters.model_validate({"output_url": url})
+    assert error_fields(info.value) == ["output_url"]
+    assert "s3://bucket/prefix" in str(info.value)
+
+
+def test_top_k_above_n_train_is_refused():
+    with pytest.raises(ConfigError, match=r"aggregate.top_k: top_k=50 exceeds the 40 training examples.*at most 40"):
+        check_top_k(AggregateSpec(top_k=50), 40)
+
+
+def test_model_output_not_fitting_labels(tmp_path):
+    store = RunStore(output_url=str(tmp_path))
+    data = prepare.run(DatasetSpec(n_train=50, n_test=5), store)
+    with pytest.raises(ConfigError, match=r"model.output_dim: the model emits 5 columns but the labels go up to 9.*10 outputs"):
+        training.run(ModelSpec(hidden=[4], output_dim=5), TrainingSpec(epochs=1), data, store)
+    assert not list((tmp_path / "stages" / "fit_model").glob("*/manifest.json"))  # nothing half-done looks complete
+
+
+def test_credentials_in_endpoint_url_are_refused():
+    with pytest.raises(ValidationError, match="must not carry credentials"):
+        RunParameters.model_validate({"storage": {"endpoint_url": "http://key:secret@127.0.0.1:9000"}})
+
+
+def test_negative_regularization_names_the_field():
+    with pytest.raises(ConfigError, match="method.regularization"):
+        DirectInfluence(nn.Linear(2, 1), "mse", -1.0)
+
+
+def test_non_differentiable_model_output():
+    class Rounded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).detach()
+
+    with pytest.raises(ConfigError, match="not differentiable"):
+        DirectInfluence(Rounded(), "cross_entropy").fit((torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))
+
+
+def test_weights_only_checkpoint_loading_refuses_pickled_objects(tmp_path):
+    from influence_core.models import load_state
+
+    path = tmp_path / "evil.pt"
+    torch.save({"model": nn.Linear(2, 2)}, path)  # a whole module: needs full unpickling, refused
+    with pytest.raises(ConfigError, match="weights-only state_dict"):
+        load_state(str(path), {})
+
+
+def test_validate_url_normalises_local_paths(tmp_path):
+    assert storage.validate_url(f"file://{tmp_path}/x/") == f"{tmp_path}/x"
+    assert storage.validate_url("s3://bucket/prefix/") == "s3://bucket/prefix"
