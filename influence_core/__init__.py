@@ -4,16 +4,30 @@ score[t, i] = ∇ℓ(z_t)ᵀ (H + λI)⁻¹ ∇ℓ(z_i); positive means training
 """
 
 from .errors import ConfigError, NumericalError
-from .methods import CgInfluence, DirectInfluence, InfluenceFunctionModel
+from .methods import (
+    ArnoldiInfluence,
+    CgInfluence,
+    DataInfInfluence,
+    DirectInfluence,
+    IdentityInfluence,
+    InfluenceFunctionModel,
+    LissaInfluence,
+    NystroemSketchInfluence,
+)
 from .objective import Objective
 from .version import CODE_VERSION, __version__
 
 __all__ = [
     "CODE_VERSION",
+    "ArnoldiInfluence",
     "CgInfluence",
     "ConfigError",
+    "DataInfInfluence",
     "DirectInfluence",
+    "IdentityInfluence",
     "InfluenceFunctionModel",
+    "LissaInfluence",
+    "NystroemSketchInfluence",
     "NumericalError",
     "Objective",
     "__version__",

@@ -69,3 +69,33 @@ def count_rows(data: Batches) -> int:
     if hasattr(data, "__len__") and not hasattr(data, "batch_sampler"):
         return len(data)  # type: ignore[arg-type]
     return sum(len(y) for _, y in data)
+
+
+class BatchSampler:
+    """Random mini-batches for stochastic methods: random rows (without replacement) of in-memory tensors, or all
+    of them when the batch is at least as large; a random window of stored arrays (read contiguously); or the next
+    batch of any other re-iterable (e.g. a shuffling DataLoader)."""
+
+    def __init__(self, data: Batches, batch_size: int, seed: int) -> None:
+        self.data, self.batch_size = data, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self._cycle: Iterator[Batch] | None = None
+
+    def __call__(self) -> Batch:
+        if isinstance(self.data, TensorBatches):
+            if self.batch_size >= len(self.data):  # the whole set: deterministic steps
+                return self.data.x, self.data.y
+            idx = torch.randperm(len(self.data), generator=self.generator)[: self.batch_size]
+            return self.data.x[idx], self.data.y[idx]
+        if isinstance(self.data, ArrayBatches):
+            n = len(self.data)
+            size = min(self.batch_size, n)
+            lo = self.data.start + int(torch.randint(n - size + 1, (1,), generator=self.generator))
+            return torch.from_numpy(np.asarray(self.data.x[lo : lo + size])), torch.from_numpy(np.asarray(self.data.y[lo : lo + size]))
+        if self._cycle is None:
+            self._cycle = iter(self.data)
+        try:
+            return next(self._cycle)
+        except StopIteration:
+            self._cycle = iter(self.data)
+            return next(self._cycle)

@@ -19,15 +19,30 @@ class CurvatureOperator:
     size, or a single batch, give the same operator.
     """
 
-    def __init__(self, objective: Objective, data: Batches, mode: SecondOrderMode = "hessian", max_vectors: int = 64) -> None:
+    def __init__(self, objective: Objective, data: Batches | None, mode: SecondOrderMode = "hessian", max_vectors: int = 64) -> None:
         if mode not in ("hessian", "gauss_newton"):
             raise ValueError(f"second_order_mode must be 'hessian' or 'gauss_newton', not {mode!r}")
         self.objective, self.data, self.mode = objective, data, mode
         self.max_vectors = max_vectors
-        self.n = count_rows(data)
         self.dim = objective.space.dim
+        self._n: int | None = None
 
-    def _batch_product(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    @property
+    def batches(self) -> Batches:
+        """The training data; methods restored without it cannot take curvature products."""
+        if self.data is None:
+            raise RuntimeError("this method needs the training data again: pass train= to load_state_dict")
+        return self.data
+
+    @property
+    def n(self) -> int:
+        """Number of training examples (counted once, on first use)."""
+        if self._n is None:
+            self._n = count_rows(self.batches)
+        return self._n
+
+    def batch_product(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+        """Rows of `vectors` times the curvature of one batch's mean loss."""
         if self.mode == "hessian":
             return self.objective.hessian_products(x, y, vectors)
         return self.objective.gauss_newton_products(x, y, vectors)
@@ -35,16 +50,10 @@ class CurvatureOperator:
     def matmat(self, vectors: torch.Tensor) -> torch.Tensor:
         """Apply the curvature to each row of `vectors` (k, p), in one pass over the data."""
         out = torch.zeros_like(vectors)
-        for x, y in self.data:
-            weight = len(y) / self.n
+        n = self.n
+        for x, y in self.batches:
+            weight = len(y) / n
             for start in range(0, len(vectors), self.max_vectors):
                 block = slice(start, start + self.max_vectors)
-                out[block] += weight * self._batch_product(x, y, vectors[block]).detach()
+                out[block] += weight * self.batch_product(x, y, vectors[block]).detach()
         return out
-
-    def dense(self) -> torch.Tensor:
-        """The explicit p×p matrix, built from products with identity blocks and symmetrised."""
-        space = self.objective.space
-        eye = torch.eye(self.dim, dtype=space.dtype, device=space.device)
-        mat = self.matmat(eye)
-        return (mat + mat.T) / 2

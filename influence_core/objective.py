@@ -68,13 +68,11 @@ class Objective:
             return self.outputs(p, x)
 
         out, pullback = vjp(forward, self.params)
-        out = out.detach()
-        loss_grad = grad(lambda o: self.loss_fn(o, y))
+        _, loss_hessian = vjp(grad(lambda o: self.loss_fn(o, y)), out.detach())  # ∇²ℓ(f) is symmetric
 
         def single(v: Params) -> Params:
             jv = jvp(forward, (self.params,), (v,))[1]
-            hjv = jvp(loss_grad, (out,), (jv,))[1]
-            return pullback(hjv)[0]
+            return pullback(loss_hessian(jv)[0])[0]
 
         out_vectors = vmap(single)(self.space.unflatten(vectors))
         return self.space.flatten(out_vectors, batch_dims=1)

@@ -14,7 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from torch import nn
 
 from .losses import LossName
-from .methods import CgInfluence, DirectInfluence, InfluenceFunctionModel
+from .methods import (
+    ArnoldiInfluence,
+    CgInfluence,
+    DataInfInfluence,
+    DirectInfluence,
+    IdentityInfluence,
+    InfluenceFunctionModel,
+    LissaInfluence,
+    NystroemSketchInfluence,
+)
 
 
 class Spec(BaseModel):
@@ -103,8 +112,6 @@ class TrainingSpec(Spec):
 
 # -- curvature methods ---------------------------------------------------------------------------------
 class MethodBase(Spec):
-    regularization: float = Field(1e-3, ge=0, title="λ (damping)", description="Added to the curvature: scores use (C + λI)⁻¹.")
-    second_order_mode: Literal["hessian", "gauss_newton"] = Field("gauss_newton", title="Curvature", description="hessian: exact Hessian of the mean loss; gauss_newton: its positive semi-definite Gauss-Newton part.")
     batch_size: int = Field(256, ge=1, title="Batch size", description="Examples per vectorised gradient or curvature product; bounds memory.")
 
     def build(self, model: nn.Module, loss: str) -> InfluenceFunctionModel:
@@ -113,19 +120,75 @@ class MethodBase(Spec):
         return METHOD_CLASSES[self.name](model, loss, **options)  # type: ignore[attr-defined]
 
 
-class DirectMethod(MethodBase):
+class CurvatureMethod(MethodBase):
+    regularization: Union[Annotated[float, Field(ge=0)], dict[str, Annotated[float, Field(ge=0)]]] = Field(
+        1e-3, title="λ (damping)", description="Added to the curvature: scores use (C + λI)⁻¹. A number, or one per layer (a dict keyed by module name) with block_structure=layer_wise."
+    )
+    second_order_mode: Literal["hessian", "gauss_newton"] = Field("gauss_newton", title="Curvature", description="hessian: exact Hessian of the mean loss; gauss_newton: its positive semi-definite Gauss-Newton part.")
+    block_structure: Literal["full", "layer_wise"] = Field("full", title="Blocks", description="full: the whole curvature; layer_wise: block-diagonal, one block per layer.")
+
+
+class DirectMethod(CurvatureMethod):
     name: Literal["direct"] = Field("direct", title="Method", description="Explicit curvature and Cholesky solve: exact, for up to a few thousand parameters.")
 
 
-class CgMethod(MethodBase):
+class CgMethod(CurvatureMethod):
     name: Literal["cg"] = Field("cg", title="Method", description="Conjugate gradients on matrix-free curvature products.")
     rtol: float = Field(1e-6, gt=0, lt=1, title="Relative tolerance", description="Stop each system when its residual falls below rtol·|b|.")
     maxiter: int | None = Field(None, ge=1, title="Max iterations", description="Iteration cap per solve (empty: 10·p).")
+    preconditioner: Literal["none", "jacobi", "nystroem"] = Field("none", title="Preconditioner", description="jacobi: Hutchinson estimate of the diagonal; nystroem: low-rank Nyström sketch.")
+    preconditioner_rank: int = Field(20, ge=1, title="Preconditioner rank", description="Rank of the Nyström preconditioner.")
+    hutchinson_probes: int = Field(32, ge=1, title="Hutchinson probes", description="Random probes for the Jacobi diagonal estimate.")
+    seed: int = Field(0, title="Seed", description="Seed of the preconditioner's random sketch or probes.")
 
 
-METHOD_CLASSES: dict[str, type[InfluenceFunctionModel]] = {"direct": DirectInfluence, "cg": CgInfluence}
+class LissaMethod(CurvatureMethod):
+    name: Literal["lissa"] = Field("lissa", title="Method", description="LiSSA: stochastic Neumann series (FastIF's J, T, B knobs).")
+    depth: int = Field(1000, ge=1, title="Recursion depth J", description="Steps of the recursion per repeat.")
+    repeats: int = Field(1, ge=1, title="Repeats T", description="Independent recursions averaged.")
+    lissa_batch_size: int = Field(64, ge=1, title="Batch size B", description="Training examples per curvature sample.")
+    scale: float = Field(10.0, gt=0, title="Scale", description="Must exceed the largest eigenvalue of C + λI; raise it when LiSSA diverges.")
+    damping: float = Field(0.0, ge=0, lt=1, title="Damping", description="Shrinks the recursion; adds damping·scale to λ.")
+    rtol: float = Field(1e-4, gt=0, title="Convergence tolerance", description="Stop when every relative residual of the batch system falls below this.")
+    seed: int = Field(0, title="Seed", description="Seed of the batch sampling.")
 
-MethodSpec = Annotated[Union[DirectMethod, CgMethod], Field(discriminator="name")]
+
+class ArnoldiMethod(CurvatureMethod):
+    name: Literal["arnoldi"] = Field("arnoldi", title="Method", description="Top eigenbasis of the curvature by Arnoldi/Lanczos; scores in rank-r space.")
+    rank: int = Field(10, ge=1, title="Rank", description="Eigenpairs kept (at most p).")
+    krylov_dim: int | None = Field(None, ge=1, title="Krylov dimension", description="Size of the Krylov space (≥ rank; empty: 2·rank).")
+    seed: int = Field(0, title="Seed", description="Seed of the starting vector.")
+
+
+class NystroemMethod(CurvatureMethod):
+    name: Literal["nystroem"] = Field("nystroem", title="Method", description="Randomised Nyström sketch of the curvature, λ on the complement.")
+    rank: int = Field(10, ge=1, title="Rank", description="Sketch size (at most p).")
+    seed: int = Field(0, title="Seed", description="Seed of the sketch.")
+
+
+class DataInfMethod(CurvatureMethod):
+    name: Literal["datainf"] = Field("datainf", title="Method", description="DataInf: closed-form per-layer inverse of the empirical Fisher.")
+    block_structure: Literal["full", "layer_wise"] = Field("layer_wise", title="Blocks", description="DataInf is meant per layer.")
+
+
+class IdentityMethod(MethodBase):
+    name: Literal["identity"] = Field("identity", title="Method", description="Gradient dot product: no curvature.")
+
+
+METHOD_CLASSES: dict[str, type[InfluenceFunctionModel]] = {
+    "direct": DirectInfluence,
+    "cg": CgInfluence,
+    "lissa": LissaInfluence,
+    "arnoldi": ArnoldiInfluence,
+    "nystroem": NystroemSketchInfluence,
+    "datainf": DataInfInfluence,
+    "identity": IdentityInfluence,
+}
+
+MethodSpec = Annotated[
+    Union[DirectMethod, CgMethod, LissaMethod, ArnoldiMethod, NystroemMethod, DataInfMethod, IdentityMethod],
+    Field(discriminator="name"),
+]
 
 
 # -- compute ---------------------------------------------------------------------------------------------

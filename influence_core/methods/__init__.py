@@ -1,7 +1,21 @@
 """Curvature methods, each an `InfluenceFunctionModel`."""
 
-from .base import InfluenceFunctionModel
+from .base import BlockSolver, InfluenceFunctionModel
 from .cg import CgInfluence
+from .datainf import DataInfInfluence
 from .direct import DirectInfluence
+from .identity import IdentityInfluence
+from .lissa import LissaInfluence
+from .lowrank import ArnoldiInfluence, NystroemSketchInfluence
 
-__all__ = ["InfluenceFunctionModel", "DirectInfluence", "CgInfluence"]
+__all__ = [
+    "ArnoldiInfluence",
+    "BlockSolver",
+    "CgInfluence",
+    "DataInfInfluence",
+    "DirectInfluence",
+    "IdentityInfluence",
+    "InfluenceFunctionModel",
+    "LissaInfluence",
+    "NystroemSketchInfluence",
+]

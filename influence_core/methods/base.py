@@ -1,30 +1,64 @@
-"""The influence-model interface shared by every curvature method (pyDVL-style fit / factors / influences)."""
+"""The influence-model interface shared by every curvature method (pyDVL-style fit / factors / influences).
+
+A model splits its parameters into blocks (all of them, or one per layer); each block gets a `BlockSolver` that
+applies (C_b + λ_b I)⁻¹, so the curvature is block-diagonal with its own λ per block under `layer_wise`.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from typing_extensions import Self
 
 from ..batches import Batches, Data, as_batches
+from ..blocks import BlockCurvature, BlockStructure, Regularization, block_regularization, make_blocks
 from ..curvature import CurvatureOperator, SecondOrderMode
-from ..errors import ConfigError
 from ..losses import LossFn
 from ..objective import Objective
+
+
+class BlockSolver(ABC):
+    """(C_b + λ_b I)⁻¹ for one parameter block, optionally in a compressed feature space."""
+
+    def __init__(self, curvature: BlockCurvature, lam: float) -> None:
+        self.curvature, self.lam = curvature, lam
+
+    @property
+    def feature_dim(self) -> int:
+        return self.curvature.dim
+
+    def fit(self) -> None:
+        """Compute the block's curvature state; methods that only need products at solve time keep this."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` returned; stateless solvers keep this."""
+
+    def features(self, grads: torch.Tensor) -> torch.Tensor:
+        """The block's per-example representation: its gradient, unless the method compresses it."""
+        return grads
+
+    @abstractmethod
+    def precondition(self, features: torch.Tensor) -> torch.Tensor:
+        """Apply (C_b + λ_b I)⁻¹ to each row of `features`."""
 
 
 class InfluenceFunctionModel(ABC):
     """score[t, i] = ∇ℓ(z_t)ᵀ (C + λI)⁻¹ ∇ℓ(z_i); positive means z_i helped the prediction on z_t.
 
-    Subclasses choose the curvature approximation by implementing `precondition` (apply (C + λI)⁻¹ to feature
-    rows) and, where they compress gradients, `gradient_features`. Results follow the parameters' dtype and device.
+    Subclasses choose the curvature approximation through `make_solver`. Results follow the parameters' dtype
+    and device.
     """
 
     name: ClassVar[str]
+    # torch.func.functional_call swaps tensors on the module during a call, so one module must not serve
+    # two threads at once; a method that avoids this may declare itself thread-safe.
     thread_safe: ClassVar[bool] = False
     needs_positive_regularization: ClassVar[bool] = False
 
@@ -32,44 +66,55 @@ class InfluenceFunctionModel(ABC):
         self,
         model: nn.Module,
         loss: LossFn | str,
-        regularization: float = 1e-3,
+        regularization: Regularization = 1e-3,
         *,
         second_order_mode: SecondOrderMode = "hessian",
+        block_structure: BlockStructure = "full",
         param_names: Iterable[str] | None = None,
         batch_size: int = 128,
     ) -> None:
         self.objective = Objective(model, loss, param_names)
-        self.regularization = self._check_regularization(regularization)
+        self.blocks = make_blocks(self.objective.space, block_structure)
+        self.regularization = block_regularization(self.blocks, regularization, self.needs_positive_regularization, self.name)
         self.second_order_mode = second_order_mode
+        self.block_structure = block_structure
         self.batch_size = batch_size
         self.train: Batches | None = None
+        self.solvers: dict[str, BlockSolver] = {}
         self._fitted = False
 
-    def _check_regularization(self, value: float) -> float:
-        if value < 0 or (value == 0 and self.needs_positive_regularization):
-            bound = "> 0" if self.needs_positive_regularization else ">= 0"
-            raise ConfigError("method.regularization", f"{self.name} got λ={value}", f"use a value {bound}, e.g. 1e-3")
-        return float(value)
+    @abstractmethod
+    def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
+        """The solver of one block."""
 
     # -- fitting ---------------------------------------------------------------------------------
+    def _bind(self, train: Data | None) -> None:
+        if train is not None:
+            self.train = as_batches(train, self.batch_size)
+        operator = CurvatureOperator(self.objective, self.train, self.second_order_mode)
+        self.solvers = {name: self.make_solver(BlockCurvature(operator, sl, name), self.regularization[name]) for name, sl in self.blocks.items()}
+
     def fit(self, train: Data) -> Self:
         """Compute the curvature state from training data (a DataLoader or an (x, y) tuple)."""
-        self.train = as_batches(train, self.batch_size)
+        self._bind(train)
+        assert self.train is not None
         x, y = next(iter(self.train))
         self.objective.check_outputs(x, y)
-        self._fit()
+        for solver in self.solvers.values():
+            solver.fit()
         self._fitted = True
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fitted curvature state, to store and restore without fitting again."""
-        return {}
+        return {f"{block}/{key}": value for block, solver in self.solvers.items() for key, value in solver.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], train: Data | None = None) -> Self:
-        """Restore a fitted state; matrix-free methods also need the training data back."""
-        if train is not None:
-            self.train = as_batches(train, self.batch_size)
-        self._load(state)
+        """Restore a fitted state; methods that take curvature products at solve time need `train` back."""
+        self._bind(train)
+        for block, solver in self.solvers.items():
+            prefix = f"{block}/"
+            solver.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
         self._fitted = True
         return self
 
@@ -77,42 +122,43 @@ class InfluenceFunctionModel(ABC):
     def is_fitted(self) -> bool:
         return self._fitted
 
-    def curvature_operator(self) -> CurvatureOperator:
-        """The matrix-free curvature of the mean training loss at the model's parameters."""
-        if self.train is None:
-            raise RuntimeError(f"{type(self).__name__} needs training data: call fit() or load_state_dict(state, train)")
-        return CurvatureOperator(self.objective, self.train, self.second_order_mode)
-
-    @abstractmethod
-    def _fit(self) -> None: ...
-
-    def _load(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore the tensors `state_dict` returned; methods without state keep this."""
-
-    # -- the two halves of a score -----------------------------------------------------------------
-    def gradient_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Per-example representation, (n, p'): the flat loss gradient unless the method compresses it."""
-        return torch.cat(
-            [self.objective.per_sample_grads(x[i : i + self.batch_size], y[i : i + self.batch_size]) for i in range(0, len(x), self.batch_size)]
-        )
-
-    @abstractmethod
-    def precondition(self, features: torch.Tensor) -> torch.Tensor:
-        """Apply (C + λI)⁻¹ to each row of `features` (n, p')."""
-
-    # -- public API ------------------------------------------------------------------------------
     def _require_fitted(self) -> None:
         if not self._fitted:
             raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(train) first")
 
+    # -- the two halves of a score -----------------------------------------------------------------
+    def gradient_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Per-example representation (n, p'): the loss gradient, compressed per block where the method does."""
+        self._require_fitted()
+        parts = []
+        for start in range(0, len(x), self.batch_size):
+            grads = self.objective.per_sample_grads(x[start : start + self.batch_size], y[start : start + self.batch_size])
+            parts.append(self._per_block(grads, self.blocks.values(), lambda s, g: s.features(g)))
+        return torch.cat(parts)
+
+    def precondition(self, features: torch.Tensor) -> torch.Tensor:
+        """Apply (C + λI)⁻¹, block by block, to each row of `features` (n, p')."""
+        self._require_fitted()
+        return self._per_block(features, self._feature_slices(), lambda s, f: s.precondition(f))
+
+    def _feature_slices(self) -> list[slice]:
+        slices, start = [], 0
+        for solver in self.solvers.values():
+            slices.append(slice(start, start + solver.feature_dim))
+            start += solver.feature_dim
+        return slices
+
+    def _per_block(self, rows: torch.Tensor, slices: Iterable[slice], apply: Any) -> torch.Tensor:
+        parts = [apply(solver, rows[:, sl]) for solver, sl in zip(self.solvers.values(), slices)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    # -- public API ------------------------------------------------------------------------------
     def influence_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """(C + λI)⁻¹ ∇ℓ for each query example: shape (n_test, p')."""
-        self._require_fitted()
         return self.precondition(self.gradient_features(x, y))
 
     def influences_from_factors(self, factors: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Scores (n_test, n) of the examples (x, y) on the queries behind `factors`."""
-        self._require_fitted()
         return factors @ self.gradient_features(x, y).T
 
     def influences(
@@ -133,7 +179,6 @@ class InfluenceFunctionModel(ABC):
         self, factors: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Scores against `factors` and self-influences of (x, y) from a single gradient evaluation."""
-        self._require_fitted()
         features = self.gradient_features(x, y)
         scores = None if factors is None else factors @ features.T
         return scores, (features * self.precondition(features)).sum(dim=1)

@@ -1,40 +1,89 @@
-"""Influence by conjugate gradients on matrix-free curvature products."""
+"""Influence by conjugate gradients on matrix-free curvature products, optionally preconditioned."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
+from ..blocks import BlockCurvature
+from ..lowrank import nystroem
 from ..solvers import SolveInfo, conjugate_gradient
-from .base import InfluenceFunctionModel
+from .base import BlockSolver, InfluenceFunctionModel
+
+CgPreconditioner = Literal["none", "jacobi", "nystroem"]
 
 
-class CgInfluence(InfluenceFunctionModel):
-    """Solves (C + λI) X = G for all rows of G at once with vectorised CG; never forms C.
+class CgSolver(BlockSolver):
+    """Vectorised CG on (C + λI) X = G, one independent run per row, with an optional preconditioner:
 
-    Memory O(k·p) for k right-hand sides; each iteration is one pass of curvature-vector products over the
-    training data, so it needs the training data at solve time (kept from `fit`, or given to `load_state_dict`).
+    - `jacobi`: 1/(diag(C) + λ), the diagonal estimated by Hutchinson's method with Rademacher probes;
+    - `nystroem`: from a rank-r Nyström sketch, P⁻¹ = (Λ_r + λ) U (Λ + λI)⁻¹ Uᵀ + (I − UUᵀ) (Frangella et al., 2023).
     """
 
-    name = "cg"
-
-    def __init__(self, *args, rtol: float = 1e-7, atol: float = 0.0, maxiter: int | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, curvature: BlockCurvature, lam: float, rtol: float, atol: float, maxiter: int | None, preconditioner: CgPreconditioner, rank: int, probes: int, seed: int) -> None:
+        super().__init__(curvature, lam)
         self.rtol, self.atol, self.maxiter = rtol, atol, maxiter
+        self.kind, self.rank, self.probes, self.seed = preconditioner, min(rank, curvature.dim), probes, seed
+        self.state: dict[str, torch.Tensor] = {}
         self.last_solve: SolveInfo | None = None
 
-    def _fit(self) -> None:
-        self._operator = self.curvature_operator()
+    def fit(self) -> None:
+        c = self.curvature
+        if self.kind == "jacobi":
+            gen = torch.Generator().manual_seed(self.seed)
+            probes = (torch.randint(0, 2, (self.probes, c.dim), generator=gen) * 2 - 1).to(dtype=c.dtype, device=c.device)
+            self.state = {"diagonal": (probes * c.matmat(probes)).mean(0)}
+        elif self.kind == "nystroem":
+            values, basis = nystroem(c.matmat, c.dim, self.rank, self.seed, c.dtype, c.device)
+            self.state = {"eigenvalues": values, "basis": basis}
 
-    def _load(self, state: dict[str, torch.Tensor]) -> None:
-        self._operator = self.curvature_operator()
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = dict(state)
+
+    def _inverse_preconditioner(self, residuals: torch.Tensor) -> torch.Tensor:
+        if self.kind == "jacobi":
+            return residuals / (self.state["diagonal"].clamp_min(0) + self.lam)
+        u, values = self.state["basis"], self.state["eigenvalues"]
+        coords = residuals @ u
+        smallest = values[-1] + self.lam
+        return smallest * (coords / (values + self.lam)) @ u.T + residuals - coords @ u.T
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
-        lam = self.regularization
         solution, self.last_solve = conjugate_gradient(
-            lambda v: self._operator.matmat(v) + lam * v,
+            lambda v: self.curvature.matmat(v) + self.lam * v,
             features,
             rtol=self.rtol,
             atol=self.atol,
             maxiter=self.maxiter,
+            preconditioner=None if self.kind == "none" else self._inverse_preconditioner,
         )
         return solution
+
+
+class CgInfluence(InfluenceFunctionModel):
+    """Never forms C: memory O(k·p) for k right-hand sides, each iteration one pass of curvature products over the
+    training data, so the data must be at hand at solve time (kept from `fit`, or given to `load_state_dict`)."""
+
+    name = "cg"
+
+    def __init__(
+        self,
+        *args,
+        rtol: float = 1e-7,
+        atol: float = 0.0,
+        maxiter: int | None = None,
+        preconditioner: CgPreconditioner = "none",
+        preconditioner_rank: int = 20,
+        hutchinson_probes: int = 32,
+        seed: int = 0,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.options = (rtol, atol, maxiter, preconditioner, preconditioner_rank, hutchinson_probes, seed)
+
+    def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
+        return CgSolver(curvature, lam, *self.options)

@@ -4,38 +4,42 @@ from __future__ import annotations
 
 import torch
 
+from ..blocks import BlockCurvature
 from ..errors import NumericalError
-from .base import InfluenceFunctionModel
+from .base import BlockSolver, InfluenceFunctionModel
+
+
+class DirectSolver(BlockSolver):
+    """Builds the block's C explicitly, factorises C + λI once in float64, and solves with the factor."""
+
+    def fit(self) -> None:
+        matrix = self.curvature.dense().to(torch.float64)
+        matrix.diagonal().add_(self.lam)
+        factor, info = torch.linalg.cholesky_ex(matrix)
+        if int(info) != 0:
+            smallest = torch.linalg.eigvalsh(matrix)[0].item() - self.lam
+            raise NumericalError(
+                f"C + λI is not positive definite in block {self.curvature.name!r} (smallest eigenvalue of C is {smallest:.3e}, "
+                f"λ={self.lam}). Raise method.regularization above {abs(smallest):.1e}, or use second_order_mode='gauss_newton'"
+            )
+        self.factor = factor
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"cholesky": self.factor}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.factor = state["cholesky"].to(torch.float64)
+
+    def precondition(self, features: torch.Tensor) -> torch.Tensor:
+        solved = torch.cholesky_solve(features.to(torch.float64).T, self.factor.to(features.device)).T
+        return solved.to(features.dtype)
 
 
 class DirectInfluence(InfluenceFunctionModel):
-    """Builds C (Hessian or Gauss-Newton) explicitly, factorises C + λI in float64 once, and solves with it.
-
-    Exact up to round-off; memory O(p²) and time O(p³), so meant for models up to a few thousand parameters
-    and as the reference the other methods are checked against.
-    """
+    """Exact up to round-off; memory O(p²) and time O(p³) per block, so meant for models up to a few thousand
+    parameters and as the reference the other methods are checked against."""
 
     name = "direct"
-    thread_safe = True
 
-    def _fit(self) -> None:
-        matrix = self.curvature_operator().dense().to(torch.float64)
-        matrix.diagonal().add_(self.regularization)
-        factor, info = torch.linalg.cholesky_ex(matrix)
-        if int(info) != 0:
-            smallest = torch.linalg.eigvalsh(matrix)[0].item() - self.regularization
-            raise NumericalError(
-                f"C + λI is not positive definite (smallest eigenvalue of C is {smallest:.3e}, λ={self.regularization}). "
-                f"Raise method.regularization above {abs(smallest):.1e}, or use second_order_mode='gauss_newton'"
-            )
-        self._factor = factor
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"cholesky": self._factor}
-
-    def _load(self, state: dict[str, torch.Tensor]) -> None:
-        self._factor = state["cholesky"].to(torch.float64)
-
-    def precondition(self, features: torch.Tensor) -> torch.Tensor:
-        solved = torch.cholesky_solve(features.to(torch.float64).T, self._factor.to(features.device)).T
-        return solved.to(features.dtype)
+    def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
+        return DirectSolver(curvature, lam)

@@ -1,0 +1,98 @@
+"""Reference problems shared by tests and benchmarks: linear regression, L2 logistic regression on digits, a
+small MLP on digits, each trained to a tight optimum in float64 so influence functions' assumptions hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+
+
+@dataclass
+class Problem:
+    name: str
+    model: nn.Module
+    loss: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    weight_decay: float
+
+    @property
+    def train(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x_train, self.y_train
+
+
+def objective(model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tensor, weight_decay: float) -> torch.Tensor:
+    """Mean training loss plus (wd/2)‖θ‖²: its Hessian is H + wd·I, so λ = wd makes influence exact for it."""
+    out = model(x)
+    data = F.cross_entropy(out, y) if loss == "cross_entropy" else F.mse_loss(out.squeeze(-1), y)
+    return data + 0.5 * weight_decay * sum((p * p).sum() for p in model.parameters())
+
+
+def minimise(model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tensor, weight_decay: float, steps: int = 500) -> float:
+    """L-BFGS with strong Wolfe line search to gradient norm ~1e-10 (from the model's current weights)."""
+    opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=steps, tolerance_grad=1e-11, tolerance_change=1e-14, history_size=50, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        value = objective(model, loss, x, y, weight_decay)
+        value.backward()
+        return value
+
+    opt.step(closure)
+    return float(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm())
+
+
+def digits(n_train: int, n_test: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(y))
+    x, y = torch.tensor(x[order] / 16.0), torch.tensor(y[order])
+    return x[:n_train], y[:n_train], x[n_train : n_train + n_test], y[n_train : n_train + n_test]
+
+
+def linear_regression(n: int = 80, d: int = 6, n_test: int = 10) -> Problem:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n + n_test, d, generator=gen, dtype=torch.float64)
+    y = x @ torch.randn(d, generator=gen, dtype=torch.float64) + 0.5 * torch.randn(n + n_test, generator=gen, dtype=torch.float64)
+    model = nn.Linear(d, 1).double()
+    minimise(model, "mse", x[:n], y[:n], 0.0)
+    return Problem("linear regression", model, "mse", x[:n], y[:n], x[n:], y[n:], 0.0)
+
+
+def logistic_regression(n_train: int = 300, n_test: int = 20, weight_decay: float = 1e-2) -> Problem:
+    x, y, xt, yt = digits(n_train, n_test)
+    torch.manual_seed(0)
+    model = nn.Linear(64, 10).double()
+    minimise(model, "cross_entropy", x, y, weight_decay)
+    return Problem("L2 logistic regression (digits)", model, "cross_entropy", x, y, xt, yt, weight_decay)
+
+
+def mlp(n_train: int = 300, n_test: int = 20, hidden: int = 8, weight_decay: float = 1e-2) -> Problem:
+    x, y, xt, yt = digits(n_train, n_test)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10)).double()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        opt.zero_grad()
+        objective(model, "cross_entropy", x, y, weight_decay).backward()
+        opt.step()
+    minimise(model, "cross_entropy", x, y, weight_decay)
+    return Problem("MLP (digits)", model, "cross_entropy", x, y, xt, yt, weight_decay)
+
+
+def mean_curvature(problem: Problem, mode: str = "gauss_newton") -> float:
+    """trace(C)/p, to choose λ relative to the curvature's scale."""
+    from influence_core.blocks import BlockCurvature
+    from influence_core.curvature import CurvatureOperator
+    from influence_core.objective import Objective
+    from influence_core.batches import TensorBatches
+
+    obj = Objective(problem.model, problem.loss)
+    op = CurvatureOperator(obj, TensorBatches(problem.x_train, problem.y_train, 1024), mode)
+    return float(BlockCurvature(op, slice(0, op.dim), "all").dense().trace()) / op.dim
