@@ -25,5 +25,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"
 
+quality: $(STAMP)
+	$(BIN)/python benchmarks/quality.py
+
 clean:
 	rm -rf runs .pytest_cache

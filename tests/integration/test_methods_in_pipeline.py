@@ -1,0 +1,35 @@
+"""Every method runs through the staged pipeline (state stored, reloaded, scored in chunks) and gives the scores
+the library computes in one go on the same stored model and data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flows.influence_run import influence_run
+from tests.helpers import read_outputs, small_params, stored_model_and_data
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+METHODS = {
+    "cg": {"name": "cg", "regularization": 1e-2, "rtol": 1e-8, "preconditioner": "nystroem", "preconditioner_rank": 8},
+    "lissa": {"name": "lissa", "regularization": 1e-1, "depth": 300, "lissa_batch_size": 240, "scale": 5.0, "rtol": 1e-8},
+    "arnoldi": {"name": "arnoldi", "regularization": 1e-2, "rank": 12, "krylov_dim": 40},
+    "nystroem": {"name": "nystroem", "regularization": 1e-2, "rank": 12, "block_structure": "layer_wise"},
+    "datainf": {"name": "datainf", "regularization": {"1": 0.1, "3": 0.05}},
+    "identity": {"name": "identity"},
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_method_through_pipeline_equals_library(tmp_path, method):
+    params = small_params(str(tmp_path / method), method=METHODS[method])
+    influence_run(params)
+    store = params.store()
+    group, arrays = read_outputs(store)
+    assert group.attrs["status"] == "complete"
+    model, data = stored_model_and_data(store, group)
+    im = params.method.build(model, "cross_entropy").fit((data["x_train"], data["y_train"]))
+    expected = im.influences(data["x_test"], data["y_test"], data["x_train"], data["y_train"]).numpy()
+    np.testing.assert_allclose(arrays["scores"], expected, rtol=1e-3, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_allclose(arrays["self_influence"], im.self_influences(data["x_train"], data["y_train"]).numpy(), rtol=1e-3, atol=1e-5)
