@@ -38,7 +38,8 @@ class StageRunner:
         else:
             outcome = "computed" if ref.created_at >= self.started else "found complete"
         self.refs[stage.name] = ref
-        self.outcomes[stage.name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint}
+        work = ref.model_dump(include={"n_chunks", "chunks_computed", "gradient_rows"})  # what scoring did, where it applies
+        self.outcomes[stage.name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
         return ref
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import dask
 import dask.array as da
@@ -15,21 +16,19 @@ class Aggregates:
     helpful_scores: np.ndarray  # (n_test, k) descending
     harmful_indices: np.ndarray  # (n_test, k) int64, most harmful (most negative) first
     harmful_scores: np.ndarray  # (n_test, k) ascending
-    train_totals: np.ndarray  # (n_train,) = scores.sum(axis=0)
     missing: int  # NaN entries: a partial matrix must never be summarised as complete
 
 
-def aggregate_scores(scores: da.Array, k: int) -> Aggregates:
-    """All reductions in one pass over the chunks; only (n_test, k) and (n_train,) results are held."""
-    results = dask.compute(
+def aggregate_scores(scores: da.Array, k: int, totals_out: Any) -> Aggregates:
+    """All reductions in one pass over the chunks. Only the (n_test, k) results are held; the column totals
+    (= scores.sum(axis=0)) stream into `totals_out`, an array chunked like the scores' columns."""
+    store_totals = da.store(scores.sum(axis=0, dtype=np.float64).astype(np.float32), totals_out, lock=False, compute=False)
+    h_idx, h_val, b_idx, b_val, missing, _ = dask.compute(
         da.argtopk(scores, k, axis=1),
         da.topk(scores, k, axis=1),
         da.argtopk(scores, -k, axis=1),
         da.topk(scores, -k, axis=1),
-        scores.sum(axis=0),
         da.isnan(scores).sum(),
+        store_totals,
     )
-    h_idx, h_val, b_idx, b_val, totals, missing = results
-    return Aggregates(
-        h_idx.astype(np.int64), h_val.astype(np.float32), b_idx.astype(np.int64), b_val.astype(np.float32), totals.astype(np.float32), int(missing)
-    )
+    return Aggregates(h_idx.astype(np.int64), h_val.astype(np.float32), b_idx.astype(np.int64), b_val.astype(np.float32), int(missing))

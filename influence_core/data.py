@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -81,42 +83,119 @@ def _synthetic(spec: DatasetSpec) -> Source:
     return Source(split(0, spec.n_train or 1000), split(1, spec.n_test or 100), spec.n_classes if classify else None, None)
 
 
-def _npz(spec: DatasetSpec) -> Source:
+def _load_npz(spec: DatasetSpec) -> dict[str, np.ndarray]:
     assert spec.path is not None
     try:
         with np.load(spec.path) as f:
-            arrays = {k: f[k] for k in f.files}
+            return {k: f[k] for k in f.files}
     except (OSError, ValueError) as exc:
         raise ConfigError("dataset.path", f"cannot read {spec.path!r} as .npz ({exc})", "give a file written by numpy.savez") from None
+
+
+def _load_npy_dir(spec: DatasetSpec) -> dict[str, np.ndarray]:
+    """`x_train.npy`, ... (or `x.npy`, `y.npy`) in a directory, memory-mapped: read block by block."""
+    assert spec.path is not None
+    return {p.stem: np.load(p, mmap_mode="r") for p in sorted(Path(spec.path).expanduser().glob("*.npy"))}
+
+
+def _open_zarr(spec: DatasetSpec, options: dict[str, Any]) -> dict[str, Any]:
+    """The arrays of a Zarr group, local or on S3, opened lazily."""
+    assert spec.path is not None
+    try:
+        group = storage.open_group(storage.validate_url(spec.path, "dataset.path"), options, mode="r")
+    except FileNotFoundError:
+        raise ConfigError("dataset.path", f"no Zarr group at {spec.path!r}", "give the URL of a group holding x_train, y_train, x_test, y_test (or x, y)") from None
+    return dict(group.arrays())
+
+
+def _torch_source(spec: DatasetSpec) -> Source:
+    """`package.module:factory` returning a torch Dataset of (x, y) pairs (split here) or a (train, test) pair,
+    streamed through a DataLoader in blocks of `chunk_rows`."""
+    from torch.utils.data import DataLoader, Subset
+
+    assert spec.path is not None
+    module_name, _, attribute = spec.path.partition(":")
+    try:
+        made = getattr(importlib.import_module(module_name), attribute)()
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("dataset.path", f"cannot load {spec.path!r} ({exc})", "give an importable `package.module:factory`") from None
+    if isinstance(made, tuple):
+        train_set, test_set = made
+    else:
+        held_out = _held_out(len(made), spec)
+        train_set, test_set = Subset(made, np.setdiff1d(np.arange(len(made)), held_out).tolist()), Subset(made, held_out.tolist())
+
+    def split(dataset: Any, limit: int | None) -> Split:
+        subset = Subset(dataset, range(min(len(dataset), limit or len(dataset))))
+        return Split(len(subset), lambda: ((np.asarray(x).astype(np.float32), _labels(np.asarray(y))) for x, y in DataLoader(subset, batch_size=spec.chunk_rows)))
+
+    return Source(split(train_set, spec.n_train), split(test_set, spec.n_test), None, None)
+
+
+def _held_out(n: int, spec: DatasetSpec) -> np.ndarray:
+    """Sorted, seeded random query rows: n_test of them, or test_fraction of n."""
+    count = min(spec.n_test or max(1, int(spec.test_fraction * n)), n - 1)
+    return np.sort(np.random.default_rng(spec.seed).choice(n, count, replace=False))
+
+
+def _range_split(x: Any, y: Any, stop: int, block_rows: int, keep: np.ndarray | None = None) -> Split:
+    """Rows [0, stop) of two array-likes, streamed in blocks; with `keep`, only rows whose mask is True."""
+    count = stop if keep is None else int(keep[:stop].sum())
+
+    def blocks() -> Iterator[Block]:
+        for lo in range(0, stop, block_rows):
+            hi = min(lo + block_rows, stop)
+            rows = slice(None) if keep is None else keep[lo:hi]
+            yield np.asarray(x[lo:hi])[rows].astype(np.float32), _labels(np.asarray(y[lo:hi])[rows])
+
+    return Split(count, blocks)
+
+
+def _from_arrays(arrays: dict[str, Any], spec: DatasetSpec) -> Source:
+    """A source from named array-likes (memory maps, Zarr): an explicit train/test split, or x, y with a seeded
+    random hold-out of queries (read by index) while the training rows stream in blocks, never loaded whole."""
     if {"x_train", "y_train", "x_test", "y_test"} <= arrays.keys():
-        x_tr, y_tr, x_te, y_te = (arrays[k] for k in ("x_train", "y_train", "x_test", "y_test"))
+        n_tr, n_te = arrays["y_train"].shape[0], arrays["y_test"].shape[0]
+        train = _range_split(arrays["x_train"], arrays["y_train"], min(n_tr, spec.n_train or n_tr), spec.chunk_rows)
+        test = _range_split(arrays["x_test"], arrays["y_test"], min(n_te, spec.n_test or n_te), spec.chunk_rows)
     elif {"x", "y"} <= arrays.keys():
+        x, y = arrays["x"], arrays["y"]
+        n = y.shape[0]
+        held_out = _held_out(n, spec)
+        keep = np.ones(n, dtype=bool)
+        keep[held_out] = False
+        stop = int(np.searchsorted(np.cumsum(keep), spec.n_train) + 1) if spec.n_train and spec.n_train < keep.sum() else n
+        train = _range_split(x, y, stop, spec.chunk_rows, keep)
+        test = Split(len(held_out), lambda: iter([(np.asarray(x[held_out]).astype(np.float32), _labels(np.asarray(y[held_out])))]))
+    else:
+        raise ConfigError("dataset.path", f"{spec.path!r} holds {sorted(arrays)}", "provide x_train, y_train, x_test, y_test (or x, y)")
+    return Source(train, test, None, None)
+
+
+def _npz(spec: DatasetSpec, options: dict[str, Any]) -> Source:
+    arrays = _load_npz(spec)
+    if {"x", "y"} <= arrays.keys() and "x_train" not in arrays:  # small enough to be in memory: stratify-free random split
         from sklearn.model_selection import train_test_split
 
         x_tr, x_te, y_tr, y_te = train_test_split(arrays["x"], arrays["y"], test_size=spec.test_fraction, random_state=spec.seed)
-    else:
-        raise ConfigError("dataset.path", f"{spec.path!r} holds {sorted(arrays)}", "store x_train, y_train, x_test, y_test (or x, y) in it")
-    y_all = np.concatenate([y_tr, y_te])
-    n_classes = int(y_all.max()) + 1 if np.issubdtype(y_all.dtype, np.integer) else None
-    return Source(
-        _in_memory_split(x_tr.astype(np.float32), _labels(y_tr), spec.n_train),
-        _in_memory_split(x_te.astype(np.float32), _labels(y_te), spec.n_test),
-        n_classes,
-        None,
-    )
+        arrays = {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+    return _from_arrays(arrays, spec)
 
 
-SOURCES: dict[str, Callable[[DatasetSpec], Source]] = {
-    DatasetSource.digits.value: _digits,
-    DatasetSource.synthetic_classification.value: _synthetic,
-    DatasetSource.synthetic_regression.value: _synthetic,
+SOURCES: dict[str, Callable[[DatasetSpec, dict[str, Any]], Source]] = {
+    DatasetSource.digits.value: lambda spec, options: _digits(spec),
+    DatasetSource.synthetic_classification.value: lambda spec, options: _synthetic(spec),
+    DatasetSource.synthetic_regression.value: lambda spec, options: _synthetic(spec),
     DatasetSource.npz.value: _npz,
+    DatasetSource.npy.value: lambda spec, options: _from_arrays(_load_npy_dir(spec), spec),
+    DatasetSource.zarr.value: lambda spec, options: _from_arrays(_open_zarr(spec, options), spec),
+    DatasetSource.torch.value: lambda spec, options: _torch_source(spec),
 }
 
 
-def open_source(spec: DatasetSpec) -> Source:
-    """The dataset described by `spec`, as streams of row blocks."""
-    return SOURCES[spec.source](spec)
+def open_source(spec: DatasetSpec, options: dict[str, Any]) -> Source:
+    """The dataset described by `spec`, as streams of row blocks; `options` reach S3 for Zarr sources."""
+    return SOURCES[spec.source](spec, options)
 
 
 def write_dataset(source: Source, url: str, options: dict[str, Any], chunk_rows: int) -> dict[str, Any]:
@@ -124,6 +203,7 @@ def write_dataset(source: Source, url: str, options: dict[str, Any], chunk_rows:
     group = storage.open_group(url, options, mode="w")
     total = hashlib.sha256()
     arrays: dict[str, dict[str, Any]] = {}
+    top_label = -1  # integer labels: the classes are counted while streaming
     for split_name, split in (("train", source.train), ("test", source.test)):
         if split.n == 0:
             raise ConfigError("dataset", f"the {split_name} split is empty", "use more data or a different test_fraction")
@@ -144,13 +224,16 @@ def write_dataset(source: Source, url: str, options: dict[str, Any], chunk_rows:
                 made[kind][row : row + len(block)] = block
                 digests[kind].update(np.ascontiguousarray(block).tobytes())
             row += len(y)
+            if np.issubdtype(y.dtype, np.integer) and len(y):
+                top_label = max(top_label, int(y.max()))
         for kind, arr in made.items():
             fingerprint = digests[kind].hexdigest()[:24]
             arr.attrs["fingerprint"] = fingerprint
             total.update(fingerprint.encode())
             arrays[arr.basename] = {"url": storage.join(url, arr.basename), "fingerprint": fingerprint, "shape": arr.shape, "dtype": str(arr.dtype)}
     fingerprint = total.hexdigest()[:24]
-    group.attrs.update({"fingerprint": fingerprint, "n_classes": source.n_classes, "image_shape": source.image_shape})
+    n_classes = source.n_classes or (top_label + 1 if top_label >= 0 else None)
+    group.attrs.update({"fingerprint": fingerprint, "n_classes": n_classes, "image_shape": source.image_shape})
     x_train = arrays["x_train"]
     return {
         "url": url,
@@ -158,6 +241,6 @@ def write_dataset(source: Source, url: str, options: dict[str, Any], chunk_rows:
         "shape": x_train["shape"],
         "dtype": x_train["dtype"],
         "arrays": arrays,
-        "n_classes": source.n_classes,
+        "n_classes": n_classes,
         "image_shape": source.image_shape,
     }

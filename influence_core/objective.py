@@ -22,6 +22,7 @@ class Objective:
         self.model = model.eval()
         self.loss_fn = resolve_loss(loss)
         self.space = ParamSpace(model, param_names)
+        self.gradient_rows = 0  # examples whose per-sample gradient was evaluated: the unit of work we count
 
     @property
     def params(self) -> Params:
@@ -46,6 +47,7 @@ class Objective:
     def per_sample_grads(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of each example's loss, shape (n, p), vectorised with vmap over grad."""
         x, y = self.to_model(x, y)
+        self.gradient_rows += len(x)
         grads = vmap(grad(self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
         return self.space.flatten(grads, batch_dims=1)
 

@@ -53,3 +53,12 @@ class ModelRef(StageRef):
     in_features: int
     out_features: int
     train_loss: float | None
+
+
+class ScoresRef(StageRef):
+    """The scores array, and the work the run that finished it did: chunks computed and per-sample gradients
+    evaluated (a resumed run counts only what it added)."""
+
+    n_chunks: int
+    chunks_computed: int
+    gradient_rows: int

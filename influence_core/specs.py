@@ -6,6 +6,7 @@ refuses values out of range.
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -38,16 +39,20 @@ class DatasetSource(str, Enum):
     synthetic_classification = "synthetic_classification"
     synthetic_regression = "synthetic_regression"
     npz = "npz"
+    npy = "npy"
+    zarr = "zarr"
+    torch = "torch"
 
 
 class DatasetSpec(Spec):
     source: DatasetSource = Field(
         DatasetSource.digits,
         title="Source",
-        description="digits: scikit-learn's 8x8 digits; synthetic_*: seeded generated data; npz: a .npz file with "
-        "x_train, y_train, x_test, y_test (or x, y, split by test_fraction).",
+        description="digits: scikit-learn's 8x8 digits; synthetic_*: seeded generated data; npz: a .npz file; npy: a directory "
+        "of .npy files (memory-mapped); zarr: a Zarr group, local or s3://; torch: a `package.module:factory` returning a "
+        "torch Dataset or a (train, test) pair. Arrays are x_train, y_train, x_test, y_test, or x, y split by test_fraction.",
     )
-    path: str | None = Field(None, title="Path", description="File to read for source=npz.")
+    path: str | None = Field(None, title="Path", description="The file, directory, Zarr URL, or `package.module:factory` for the file-based and torch sources.")
     n_train: int | None = Field(None, ge=1, title="Training examples", description="Keep at most this many training examples (all when empty; synthetic: how many to generate).")
     n_test: int | None = Field(None, ge=1, title="Query examples", description="Keep at most this many query examples (all when empty; synthetic: how many to generate).")
     test_fraction: float = Field(0.2, gt=0, lt=1, title="Query fraction", description="Share of the data held out as queries when the source has no split.")
@@ -59,11 +64,16 @@ class DatasetSpec(Spec):
 
     @model_validator(mode="after")
     def _path_fits_source(self) -> "DatasetSpec":
-        if self.source == DatasetSource.npz.value:
-            if not self.path:
-                raise ValueError("dataset.path is required for source=npz: give the .npz file to read")
-            if "://" not in self.path and not Path(self.path).expanduser().exists():
-                raise ValueError(f"dataset.path {self.path!r} does not exist: give an existing .npz file")
+        needs = {"npz": "a .npz file", "npy": "a directory of .npy files", "zarr": "a Zarr group URL", "torch": "a `package.module:factory`"}
+        if self.source not in needs:
+            return self
+        if not self.path:
+            raise ValueError(f"dataset.path is required for source={self.source}: give {needs[self.source]}")
+        if self.source == DatasetSource.torch.value:
+            if not re.fullmatch(r"[\w.]+:\w+", self.path):
+                raise ValueError(f"dataset.path {self.path!r} is not `package.module:factory`")
+        elif "://" not in self.path and not Path(self.path.removeprefix("file://")).expanduser().exists():
+            raise ValueError(f"dataset.path {self.path!r} does not exist: give {needs[self.source]} that exists")
         return self
 
 

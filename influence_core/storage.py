@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 from pathlib import Path
@@ -125,8 +126,12 @@ def check_writable(url: str, options: dict[str, Any], field: str = "output_url")
 
 
 def stat_token(url: str, options: dict[str, Any]) -> str:
-    """Size plus ETag or modification time: changes when the file's content is replaced."""
+    """A digest of the size and ETag or modification time of the file, or of every file under the directory:
+    it changes when the content is replaced, without reading the content."""
     fs, path = filesystem(url, options)
-    info = fs.info(path)
-    stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created")
-    return f"{info.get('size')}:{stamp}"
+    entries = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
+    digest = hashlib.sha256()
+    for name, info in sorted(entries.items()):
+        stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created")
+        digest.update(f"{name}:{info.get('size')}:{stamp}".encode())
+    return digest.hexdigest()[:24]

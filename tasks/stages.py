@@ -9,7 +9,7 @@ from influence_core.pipeline import aggregation, preconditioner, prepare, scorin
 from influence_core.pipeline import factors as factor_stage
 from influence_core.pipeline import training as training_stage
 from influence_core.pipeline.store import RunStore
-from influence_core.refs import DataRef, ModelRef, StageRef
+from influence_core.refs import DataRef, ModelRef, ScoresRef, StageRef
 from influence_core.specs import METHOD_CLASSES, AggregateSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec
 
 from .policy import STAGE_OPTIONS, StagePolicy
@@ -43,7 +43,7 @@ def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, cur
 @task(name="compute_influences", cache_policy=StagePolicy(planner=scoring.plan), **STAGE_OPTIONS)
 def compute_influences(
     compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore
-) -> StageRef:
+) -> ScoresRef:
     """Scores for every (query, training example), one train chunk per Dask task; resumes where it stopped."""
     thread_safe = METHOD_CLASSES[method.name].thread_safe
     return scoring.run(

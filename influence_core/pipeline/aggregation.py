@@ -6,6 +6,7 @@ from typing import Any
 
 import dask
 import dask.array as da
+import numpy as np
 
 from .. import storage
 from ..aggregations import aggregate_scores
@@ -29,23 +30,25 @@ def check_top_k(spec: AggregateSpec, n_train: int) -> None:
 def _aggregate(spec: AggregateSpec, scores_ref: StageRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
     scores = storage.open_array(scores_ref.url, store.options)
     check_top_k(spec, scores.shape[1])
+    columns = (scores.shards or scores.chunks)[1]
+    group = storage.open_group(store.influence_url, store.options, mode="a")
+    totals = group.create_array("train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True)
     with dask.config.set(scheduler="threads"):
-        result = aggregate_scores(da.from_zarr(scores, chunks=scores.shards or scores.chunks), spec.top_k)
+        result = aggregate_scores(da.from_zarr(scores, chunks=(scores.shape[0], columns)), spec.top_k, totals)
     if result.missing:
         raise NumericalError(f"{result.missing} scores are NaN: the scores are incomplete or the model diverged; rerun compute_influences")
-    group = storage.open_group(store.influence_url, store.options, mode="a")
     outputs = {
         "topk_helpful_indices": result.helpful_indices,
         "topk_helpful_scores": result.helpful_scores,
         "topk_harmful_indices": result.harmful_indices,
         "topk_harmful_scores": result.harmful_scores,
         "argmax": result.helpful_indices[:, 0],
-        "train_totals": result.train_totals,  # written last: its fingerprint marks the stage complete
     }
     for name, values in outputs.items():
         array = group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape, overwrite=True)
         array[...] = values
         array.attrs["fingerprint"] = loc.key
+    totals.attrs["fingerprint"] = loc.key  # last: its fingerprint marks the stage complete
     return {"url": storage.join(store.influence_url, "train_totals"), "fingerprint": loc.key, "shape": result.helpful_indices.shape, "dtype": "int64"}
 
 

@@ -5,17 +5,20 @@ from __future__ import annotations
 from .. import storage
 from ..data import open_source, write_dataset
 from ..refs import DataRef
-from ..specs import DatasetSpec
+from ..specs import DatasetSource, DatasetSpec
 from .stage import StageCall
 from .store import RunStore
 
 
+FILE_SOURCES = {DatasetSource.npz.value, DatasetSource.npy.value, DatasetSource.zarr.value}
+
+
 def plan(spec: DatasetSpec, store: RunStore) -> StageCall[DataRef]:
     config = spec.model_dump(mode="json")
-    if spec.path:  # a replaced file must not hit the cache of the old one
-        config["path_stat"] = storage.stat_token(spec.path, store.options)
+    if spec.source in FILE_SOURCES:  # replaced files must not hit the cache of the old ones
+        config["path_stat"] = storage.stat_token(storage.validate_url(spec.path or "", "dataset.path"), store.options)
     return StageCall("prepare_data", DataRef, config, {}, store)
 
 
 def run(spec: DatasetSpec, store: RunStore) -> DataRef:
-    return plan(spec, store).run(lambda loc: write_dataset(open_source(spec), loc.path("data.zarr"), store.options, spec.chunk_rows))
+    return plan(spec, store).run(lambda loc: write_dataset(open_source(spec, store.options), loc.path("data.zarr"), store.options, spec.chunk_rows))

@@ -23,7 +23,7 @@ from distributed import Client, as_completed
 from .. import storage
 from ..layout import ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
-from ..refs import DataRef, ModelRef, StageRef
+from ..refs import DataRef, ModelRef, ScoresRef, StageRef
 from ..specs import ComputeSpec, MethodSpec
 from .loading import load_influence_model, open_data
 from .stage import StageCall, StageLocation
@@ -88,13 +88,18 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 def score_chunk(job: ScoreJob, index: int) -> int:
-    """Score training rows of chunk `index` against every query; write the shard, then the marker."""
+    """Score training rows of chunk `index` against every query; write the shard, then the marker.
+
+    Returns the number of per-sample gradients this evaluated.
+    """
     with _one_torch_thread():
-        return _score_chunk(job, index)
+        scorer = _scorer(job)
+        before = scorer.im.objective.gradient_rows
+        _score_chunk(scorer, job, index)
+        return scorer.im.objective.gradient_rows - before
 
 
-def _score_chunk(job: ScoreJob, index: int) -> int:
-    scorer = _scorer(job)
+def _score_chunk(scorer: _Scorer, job: ScoreJob, index: int) -> None:
     lo, hi = job.layout.bounds(index)
     x = torch.from_numpy(np.asarray(scorer.x[lo:hi]))
     y = torch.from_numpy(np.asarray(scorer.y[lo:hi]))
@@ -110,10 +115,9 @@ def _score_chunk(job: ScoreJob, index: int) -> int:
     scorer.scores[:, lo:hi] = block
     scorer.self_influence[lo:hi] = self_block
     storage.write_bytes(storage.join(job.markers_url, str(index)), b"", job.options)
-    return hi - lo
 
 
-def plan(compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore) -> StageCall[StageRef]:
+def plan(compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore) -> StageCall[ScoresRef]:
     config = {
         "output_url": store.output_url,
         "train_chunk_rows": compute.train_chunk_rows,
@@ -121,7 +125,7 @@ def plan(compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRe
         "method": method.model_dump(mode="json"),
     }
     inputs = {"model": model, "data": data, "curvature": curvature, "factors": factors}
-    return StageCall("compute_influences", StageRef, config, inputs, store)
+    return StageCall("compute_influences", ScoresRef, config, inputs, store)
 
 
 def _prepare_arrays(job: ScoreJob) -> zarr.Group:
@@ -144,33 +148,40 @@ def pending_chunks(job: ScoreJob) -> list[int]:
     return [i for i in range(job.layout.n_tasks) if i not in done]
 
 
-def execute(job: ScoreJob, chunks: list[int], client: Client | None, on_progress: Progress | None = None) -> None:
-    """Run the chunk tasks, on the cluster or here; report (done, total) as they finish."""
-    total, done = job.layout.n_tasks, job.layout.n_tasks - len(chunks)
+def execute(job: ScoreJob, chunks: list[int], client: Client | None, on_progress: Progress | None = None) -> int:
+    """Run the chunk tasks, on the cluster or here; report (done, total) as they finish; return gradients evaluated."""
+    total, done, gradients = job.layout.n_tasks, job.layout.n_tasks - len(chunks), 0
     if client is None:
-        for index in chunks:
-            score_chunk(job, index)
-            done += 1
-            if on_progress:
-                on_progress(done, total)
-        return
-    futures = client.map(score_chunk, [job] * len(chunks), chunks, pure=False, retries=2)
-    for future in as_completed(futures):
-        future.result()
+        results: Iterator[int] = (score_chunk(job, index) for index in chunks)
+    else:
+        futures = client.map(score_chunk, [job] * len(chunks), chunks, pure=False, retries=2)
+        results = (future.result() for future in as_completed(futures))
+    for evaluated in results:
+        gradients += evaluated
         done += 1
         if on_progress:
             on_progress(done, total)
+    return gradients
 
 
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
     group = _prepare_arrays(job)
     chunks = pending_chunks(job)
+    gradients = 0
     if chunks:
         with client_factory() as client:
-            execute(job, chunks, client, on_progress)
+            gradients = execute(job, chunks, client, on_progress)
     group["self_influence"].attrs["fingerprint"] = job.key
     group["scores"].attrs["fingerprint"] = job.key
-    return {"url": storage.join(job.influence_url, "scores"), "fingerprint": job.key, "shape": (job.layout.n_test, job.layout.n_train), "dtype": "float32"}
+    return {
+        "url": storage.join(job.influence_url, "scores"),
+        "fingerprint": job.key,
+        "shape": (job.layout.n_test, job.layout.n_train),
+        "dtype": "float32",
+        "n_chunks": job.layout.n_tasks,
+        "chunks_computed": len(chunks),
+        "gradient_rows": gradients,
+    }
 
 
 def run(
@@ -183,7 +194,7 @@ def run(
     store: RunStore,
     client_factory: Callable[[], Any],
     on_progress: Progress | None = None,
-) -> StageRef:
+) -> ScoresRef:
     """Compute (or finish computing) the scores; `client_factory()` is a context manager yielding a Dask client or None."""
     call = plan(compute, method, model, data, curvature, factors, store)
     layout = score_layout(data.n_test, data.n_train, compute.target_shard_mb, compute.train_chunk_rows)

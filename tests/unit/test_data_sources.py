@@ -1,0 +1,115 @@
+"""Dataset sources → row-chunked Zarr: every source, integer labels kept, content fingerprints, bounded memory."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from influence_core import storage
+from influence_core.pipeline import prepare
+from influence_core.pipeline.loading import open_data
+from influence_core.pipeline.store import RunStore
+from influence_core.specs import DatasetSpec, StorageSpec
+from tests.datasets import blobs
+
+
+def arrays_of(ref, store):
+    return {name: np.asarray(arr[...]) for name, arr in open_data(ref, store.options).items()}
+
+
+@pytest.fixture
+def xy():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((200, 6)).astype(np.float32), rng.integers(0, 4, 200).astype(np.int32)
+
+
+def test_npy_directory_with_random_hold_out(tmp_path, xy):
+    x, y = xy
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    store = RunStore(output_url=str(tmp_path / "out"))
+    ref = prepare.run(DatasetSpec(source="npy", path=str(tmp_path), n_test=30, chunk_rows=16), store)
+    got = arrays_of(ref, store)
+    held_out = np.sort(np.random.default_rng(0).choice(200, 30, replace=False))
+    keep = np.setdiff1d(np.arange(200), held_out)
+    np.testing.assert_array_equal(got["x_test"], x[held_out])
+    np.testing.assert_array_equal(got["x_train"], x[keep])
+    np.testing.assert_array_equal(got["y_train"], y[keep])
+    assert got["y_train"].dtype == np.int64 and ref.n_classes == 4
+    assert open_data(ref, store.options)["x_train"].chunks == (16, 6)
+
+
+def test_n_train_caps_the_streamed_training_rows(tmp_path, xy):
+    x, y = xy
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    store = RunStore(output_url=str(tmp_path / "out"))
+    ref = prepare.run(DatasetSpec(source="npy", path=str(tmp_path), n_test=30, n_train=50, chunk_rows=16), store)
+    keep = np.setdiff1d(np.arange(200), np.sort(np.random.default_rng(0).choice(200, 30, replace=False)))[:50]
+    np.testing.assert_array_equal(arrays_of(ref, store)["x_train"], x[keep])
+
+
+def test_fingerprint_is_content_not_chunking(tmp_path, xy):
+    x, y = xy
+    np.savez(tmp_path / "d.npz", x_train=x[:150], y_train=y[:150], x_test=x[150:], y_test=y[150:])
+    refs = [prepare.run(DatasetSpec(source="npz", path=str(tmp_path / "d.npz"), chunk_rows=c), RunStore(output_url=str(tmp_path / f"o{c}"))) for c in (7, 64)]
+    assert refs[0].fingerprint == refs[1].fingerprint
+    np.savez(tmp_path / "d.npz", x_train=x[:150] + 1, y_train=y[:150], x_test=x[150:], y_test=y[150:])
+    changed = prepare.run(DatasetSpec(source="npz", path=str(tmp_path / "d.npz"), chunk_rows=7), RunStore(output_url=str(tmp_path / "o7")))
+    assert changed.fingerprint != refs[0].fingerprint  # a replaced file is read again, not served from the cache
+
+
+def test_zarr_group_on_s3(tmp_path, s3_endpoint, s3_bucket, xy):
+    x, y = xy
+    options = StorageSpec(endpoint_url=s3_endpoint).fsspec_options()
+    group = storage.open_group(f"s3://{s3_bucket}/source.zarr", options, mode="w")
+    for name, values in {"x_train": x[:150], "y_train": y[:150], "x_test": x[150:], "y_test": y[150:]}.items():
+        group.create_array(name, data=values, chunks=(25, *values.shape[1:]))
+    store = RunStore(output_url=f"s3://{s3_bucket}/run", storage=StorageSpec(endpoint_url=s3_endpoint))
+    ref = prepare.run(DatasetSpec(source="zarr", path=f"s3://{s3_bucket}/source.zarr"), store)
+    got = arrays_of(ref, store)
+    np.testing.assert_array_equal(got["x_train"], x[:150])
+    np.testing.assert_array_equal(got["y_test"], y[150:])
+    assert got["y_test"].dtype == np.int64
+
+
+@pytest.mark.parametrize("factory", ["tests.datasets:blobs", "tests.datasets:blobs_split"])
+def test_torch_dataset_factory(tmp_path, factory):
+    store = RunStore(output_url=str(tmp_path))
+    ref = prepare.run(DatasetSpec(source="torch", path=factory, test_fraction=1 / 6, chunk_rows=32), store)
+    got = arrays_of(ref, store)
+    full = blobs()
+    assert ref.n_train == 100 and ref.n_test == 20 and ref.n_classes == 3
+    assert got["y_train"].dtype == np.int64
+    rows = {tuple(np.round(r, 6)) for r in full.tensors[0].numpy()}
+    assert all(tuple(np.round(r, 6)) in rows for r in got["x_train"])
+    if factory.endswith("split"):
+        np.testing.assert_array_equal(got["x_test"], full.tensors[0][100:].numpy())
+
+
+def test_torch_factory_path_is_validated():
+    with pytest.raises(ValueError, match="package.module:factory"):
+        DatasetSpec(source="torch", path="not a path")
+
+
+def test_prepare_streams_without_loading_the_source(tmp_path):
+    """A 64 MB memory-mapped source is written and fingerprinted with far less than 64 MB of allocations."""
+    rows, cols = 65536, 256
+    x = np.lib.format.open_memmap(tmp_path / "x.npy", mode="w+", dtype=np.float32, shape=(rows, cols))
+    for lo in range(0, rows, 8192):
+        x[lo : lo + 8192] = np.random.default_rng(lo).standard_normal((8192, cols), dtype=np.float32)
+    x.flush()
+    np.save(tmp_path / "y.npy", np.arange(rows) % 10)
+    del x
+    store = RunStore(output_url=str(tmp_path / "out"))
+    tracemalloc.start()
+    ref = prepare.run(DatasetSpec(source="npy", path=str(tmp_path), n_test=100, chunk_rows=2048), store)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert ref.n_train == rows - 100
+    assert peak < 0.4 * rows * cols * 4, f"peak traced allocation {peak / 2**20:.1f} MB for 64 MB of data"
+    first = np.asarray(open_data(ref, store.options)["x_train"][:3])
+    assert torch.is_tensor(torch.from_numpy(first)) and first.shape == (3, cols)
