@@ -32,14 +32,14 @@ def dask_client(spec: ComputeSpec, thread_safe: bool) -> Iterator[Client | None]
 def _start_cluster(kind: ClusterKind, spec: ComputeSpec) -> LocalCluster:
     """One single-threaded worker process per slot: torch parallelises inside each task."""
     if kind is ClusterKind.local:
-        return LocalCluster(n_workers=spec.n_workers, threads_per_worker=1, processes=True, dashboard_address=None)
+        return LocalCluster(n_workers=spec.n_workers, threads_per_worker=1, processes=True, dashboard_address=":0")
     if not torch.cuda.is_available():
         raise ConfigError("compute.cluster", "cluster=cuda but no CUDA device is visible to torch", "use cluster=local on CPU machines, or run on a GPU host")
     try:
         from dask_cuda import LocalCUDACluster
     except ImportError:
         raise ConfigError("compute.cluster", "cluster=cuda needs dask-cuda", "install the gpu extra: pip install 'influence-pipeline[gpu]'") from None
-    return LocalCUDACluster(threads_per_worker=1, dashboard_address=None)
+    return LocalCUDACluster(threads_per_worker=1, dashboard_address=":0")
 
 
 def _check_threads(client: Client, spec: ComputeSpec, thread_safe: bool) -> None:

@@ -57,5 +57,5 @@ def dask_address(s3_endpoint: str) -> Iterator[str]:
     """A real LocalCluster with 2 single-threaded worker processes, reached by address as an existing cluster."""
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         yield cluster.scheduler_address

@@ -197,7 +197,11 @@ def run(
 ) -> ScoresRef:
     """Compute (or finish computing) the scores; `client_factory()` is a context manager yielding a Dask client or None."""
     call = plan(compute, method, model, data, curvature, factors, store)
-    layout = score_layout(data.n_test, data.n_train, compute.target_shard_mb, compute.train_chunk_rows)
-    loc = call.location
-    job = ScoreJob(call.key, method, model, data, curvature, factors, layout, store.influence_url, loc.path("done"), store.options)
+    job = make_job(call, compute, method, model, data, curvature, factors, store)
     return call.run(lambda loc: _compute(job, client_factory, on_progress, loc))
+
+
+def make_job(call: StageCall[ScoresRef], compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore) -> ScoreJob:
+    """The per-task payload: refs, the layout and where to write; never data."""
+    layout = score_layout(data.n_test, data.n_train, compute.target_shard_mb, compute.train_chunk_rows)
+    return ScoreJob(call.key, method, model, data, curvature, factors, layout, store.influence_url, call.location.path("done"), store.options)

@@ -1,0 +1,518 @@
+"""Static checks of infra/: no Docker engine, Kubernetes cluster or Terraform provider download is available here.
+
+Every file is parsed and its content checked against what the pipeline needs: pinned images, the services of the
+stack, GPU reservations, single-threaded Dask workers, the work pool, the deployments and their schedule, and
+credentials that only ever come from the environment or from secrets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
+
+import hcl2
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+INFRA = ROOT / "infra"
+COMPOSE_FILE = INFRA / "docker-compose.yml"
+DOCKERFILE = INFRA / "docker" / "Dockerfile"
+TERRAFORM = INFRA / "terraform"
+HELM = INFRA / "helm"
+
+POOL = "influence-pool"
+ENTRYPOINT = "flows/influence_run.py:influence_run"
+SCHEDULER_ADDRESS = "tcp://dask-scheduler:8786"
+TORCH = "torch==2.13.0"
+
+# `${VAR}`, `${VAR:?message}` or `${VAR?message}`: a value compose takes from the environment, with no default.
+ENV_ONLY = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*(?::?\?[^}]*)?\}$")
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|ACCESS_KEY|API_KEY|ROOT_USER", re.IGNORECASE)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def image_is_pinned(ref: str) -> bool:
+    """An image reference with a digest, or an explicit tag that is not `latest` and not left to interpolation."""
+    if not isinstance(ref, str) or not ref or "$" in ref:
+        return False
+    if "@" in ref:
+        return re.fullmatch(r"[^@\s]+@sha256:[0-9a-f]{64}", ref) is not None
+    last = ref.rsplit("/", 1)[-1]  # a registry's port (host:5000/name) is not a tag
+    if ":" not in last:
+        return False
+    tag = last.split(":", 1)[1]
+    return bool(re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", tag)) and tag.lower() != "latest"
+
+
+def as_list(command: Any) -> list[str]:
+    return command.split() if isinstance(command, str) else [str(part) for part in command or []]
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value after `flag` (also `flag=value`) in an argument list."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def env_dict(environment: Any) -> dict[str, str]:
+    if isinstance(environment, dict):
+        return {str(k): "" if v is None else str(v) for k, v in environment.items()}
+    return dict(item.split("=", 1) if "=" in item else (item, "") for item in environment or [])
+
+
+def flatten(value: Any) -> Iterator[Any]:
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from flatten(item)
+    else:
+        yield value
+
+
+def walk(node: Any) -> Iterator[dict[str, Any]]:
+    """Every mapping in a YAML document."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from walk(value)
+
+
+def test_pin_check_rejects_unpinned_references() -> None:
+    for ref in ["postgres", "postgres:latest", "localhost:5000/img", "img:${TAG}", "img@sha256:abc", ""]:
+        assert not image_is_pinned(ref), ref
+    for ref in ["postgres:16.4-alpine", "localhost:5000/img:1.2", "img@sha256:" + "a" * 64]:
+        assert image_is_pinned(ref), ref
+
+
+# ---------------------------------------------------------------------------------------------- compose
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    doc = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(doc, dict) and isinstance(doc.get("services"), dict)
+    return doc
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+def service_by_command(services: dict[str, dict[str, Any]], *words: str) -> tuple[str, dict[str, Any]]:
+    found = [(name, s) for name, s in services.items() if all(w in as_list(s.get("command")) for w in words)]
+    assert len(found) == 1, f"expected one service running {' '.join(words)}, found {[n for n, _ in found]}"
+    return found[0]
+
+
+def test_compose_has_the_stack(services: dict[str, dict[str, Any]]) -> None:
+    for name in ["postgres", "prefect-server", "dask-scheduler", "prefect-worker"]:
+        assert name in services, name
+    stores = [n for n, s in services.items() if str(s.get("image", "")).split(":")[0].endswith("minio/minio")]
+    assert stores, "no S3-compatible store (MinIO) service"
+    service_by_command(services, "cuda", "worker")
+    assert services["postgres"]["image"].startswith("postgres:16")
+    assert services["prefect-server"]["image"] == "prefecthq/prefect:3.8.8-python3.11"
+
+
+def test_compose_images_are_pinned(services: dict[str, dict[str, Any]]) -> None:
+    for name, service in services.items():
+        assert "image" in service, f"{name}: no image (a build needs a pinned image name too)"
+        assert image_is_pinned(service["image"]), f"{name}: {service['image']!r} is not pinned"
+
+
+def dockerfile_stages() -> tuple[list[tuple[str, str | None]], dict[str, list[str]]]:
+    """FROM lines as (image, stage name) and the instructions of each stage (continuation lines joined)."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    froms: list[tuple[str, str | None]] = []
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"FROM\s+(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?\s*$", line, re.IGNORECASE)
+        if match:
+            froms.append((match.group(1), match.group(2)))
+            current = stages.setdefault(match.group(2) or f"stage{len(froms) - 1}", [])
+        else:
+            current.append(line)
+    return froms, stages
+
+
+def test_dockerfile_bases_are_pinned() -> None:
+    froms, _ = dockerfile_stages()
+    assert froms, "no FROM line"
+    names: set[str] = set()
+    external = []
+    for image, stage in froms:
+        if image not in names:
+            assert image_is_pinned(image), f"FROM {image} is not pinned"
+            external.append(image)
+        if stage:
+            names.add(stage)
+    assert external and all(re.fullmatch(r"python:3\.11\.\d+-slim(-\w+)?", image) for image in external), external
+
+
+def test_compose_builds_use_the_dockerfile(services: dict[str, dict[str, Any]]) -> None:
+    _, stages = dockerfile_stages()
+    builders = {name: s for name, s in services.items() if "build" in s}
+    assert builders, "no service builds the project image"
+    for name, service in builders.items():
+        build = service["build"]
+        assert (COMPOSE_FILE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE.resolve(), name
+        assert build.get("target") in stages, f"{name}: build target {build.get('target')!r} is not a Dockerfile stage"
+    # every service on a project image builds it (or compose would try to pull it from a registry)
+    for name, service in services.items():
+        if str(service["image"]).startswith("influence-pipeline:"):
+            assert name in builders, name
+    cuda_name, cuda = service_by_command(services, "cuda", "worker")
+    assert cuda["build"]["target"] == "gpu", cuda_name
+
+
+def test_dockerfile_installs_torch_before_the_project() -> None:
+    _, stages = dockerfile_stages()
+    project_stages = {name: lines for name, lines in stages.items() if any(re.search(r"pip install .*\"?\.(\[|\"|\s|$)", l) for l in lines)}
+    assert {"cpu", "gpu"} <= set(project_stages), sorted(stages)
+    for name, lines in project_stages.items():
+        torch_at = [i for i, l in enumerate(lines) if l.startswith("RUN") and "pip install" in l and TORCH in l]
+        project_at = [i for i, l in enumerate(lines) if l.startswith("RUN") and re.search(r"pip install (\S+ )*\"?\.(\[[a-z,]+\])?\"?(\s|$)", l)]
+        assert torch_at and project_at, f"stage {name}: torch or the project is not installed"
+        assert torch_at[0] < project_at[0], f"stage {name}: the project is installed before {TORCH}"
+    assert "download.pytorch.org/whl/cpu" in next(l for l in project_stages["cpu"] if TORCH in l)
+    assert any('".[gpu]"' in l or ".[gpu]" in l for l in project_stages["gpu"]), "gpu stage does not install the gpu extra"
+
+
+def test_dask_cuda_worker_reserves_gpus(services: dict[str, dict[str, Any]]) -> None:
+    name, service = service_by_command(services, "cuda", "worker")
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    gpu = [d for d in devices if "gpu" in list(flatten(d.get("capabilities")))]
+    assert gpu, f"{name}: no device reservation with the gpu capability"
+    assert all(d.get("driver") == "nvidia" for d in gpu), name
+
+
+def test_dask_workers_are_single_threaded_and_reach_the_scheduler(services: dict[str, dict[str, Any]]) -> None:
+    workers = {n: s for n, s in services.items() if "worker" in as_list(s.get("command")) and "dask" in as_list(s.get("command"))}
+    assert len(workers) >= 1 and any("cuda" in as_list(s["command"]) for s in workers.values())
+    for name, service in workers.items():
+        args = as_list(service["command"])
+        assert flag_value(args, "--nthreads") == "1", f"{name}: workers must be single-threaded"
+        assert SCHEDULER_ADDRESS in args, name
+        env = env_dict(service.get("environment"))
+        assert ENV_ONLY.match(env.get("AWS_SECRET_ACCESS_KEY", "")), f"{name}: workers write to S3 and need credentials"
+    scheduler = services["dask-scheduler"]
+    assert flag_value(as_list(scheduler["command"]), "--port") == "8786"
+    assert any(str(p).endswith("8786") for p in scheduler.get("ports", []))
+
+
+def test_prefect_worker(services: dict[str, dict[str, Any]]) -> None:
+    worker = services["prefect-worker"]
+    args = as_list(worker["command"])
+    assert args[:3] == ["prefect", "worker", "start"], args
+    assert flag_value(args, "--pool") == POOL
+    assert flag_value(args, "--type") == "process"
+    env = env_dict(worker["environment"])
+    assert env.get("PREFECT_API_URL") == "http://prefect-server:4200/api"
+    for key in ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]:
+        assert ENV_ONLY.match(env.get(key, "")), f"prefect-worker {key}={env.get(key)!r} is not taken from the environment"
+    assert "AWS_DEFAULT_REGION" in env
+    assert worker["depends_on"]["prefect-server"]["condition"] == "service_healthy"
+
+
+def test_no_literal_secrets_in_compose(services: dict[str, dict[str, Any]]) -> None:
+    checked = 0
+    for name, service in services.items():
+        for key, value in env_dict(service.get("environment")).items():
+            if SECRET_NAME.search(key):
+                checked += 1
+                assert ENV_ONLY.match(value), f"{name}: {key} must come from the environment (${{VAR:?}}), not {value!r}"
+    assert checked >= 6
+
+
+def test_prefect_server_uses_postgres(services: dict[str, dict[str, Any]]) -> None:
+    server = services["prefect-server"]
+    env = env_dict(server["environment"])
+    url = env["PREFECT_API_DATABASE_CONNECTION_URL"]
+    match = re.fullmatch(r"postgresql\+asyncpg://(?P<user>[^:@]+):(?P<password>.+)@postgres:5432/(?P<db>\w+)", url)
+    assert match, url
+    assert ENV_ONLY.match(match["password"]), "the database password in the URL must be interpolated"
+    postgres_env = env_dict(services["postgres"]["environment"])
+    assert match["user"] == postgres_env["POSTGRES_USER"] and match["db"] == postgres_env["POSTGRES_DB"]
+    assert match["password"].split(":")[0].strip("${}") in postgres_env["POSTGRES_PASSWORD"]
+    assert env.get("PREFECT_SERVER_API_HOST") == "0.0.0.0"
+    assert "4200:4200" in [str(p) for p in server["ports"]]
+    assert server["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert "pg_isready" in " ".join(as_list(services["postgres"]["healthcheck"]["test"]))
+    assert any(str(v).endswith(":/var/lib/postgresql/data") for v in services["postgres"]["volumes"])
+
+
+def test_bucket_is_created_once_minio_is_healthy(services: dict[str, dict[str, Any]]) -> None:
+    init = [(n, s) for n, s in services.items() if "mc mb" in " ".join(as_list(s.get("command")) + as_list(s.get("entrypoint")))]
+    assert len(init) == 1, "no one-shot service creating the results bucket"
+    name, service = init[0]
+    assert image_is_pinned(service["image"]) and "minio/mc" in service["image"]
+    store = next(n for n, s in services.items() if "minio/minio" in str(s.get("image")))
+    assert service["depends_on"][store]["condition"] == "service_healthy"
+    assert service.get("restart") == "no"
+
+
+def test_health_conditions_point_at_healthchecks(services: dict[str, dict[str, Any]]) -> None:
+    conditions = 0
+    for name, service in services.items():
+        depends = service.get("depends_on") or {}
+        for target, spec in (depends.items() if isinstance(depends, dict) else []):
+            assert target in services, f"{name} depends on unknown {target}"
+            if spec.get("condition") == "service_healthy":
+                conditions += 1
+                assert "healthcheck" in services[target], f"{name} waits for {target} to be healthy; it has no healthcheck"
+            if spec.get("condition") == "service_completed_successfully":
+                assert services[target].get("restart") == "no", target
+    assert conditions >= 4
+
+
+def strings(node: Any) -> Iterator[str]:
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from strings(key)
+            yield from strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from strings(value)
+
+
+def test_env_example_covers_required_variables(compose: dict[str, Any]) -> None:
+    required = {m for text in strings(compose) for m in re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?\?", text)}
+    assert {"POSTGRES_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"} <= required
+    example = dict(
+        line.split("=", 1) for line in (INFRA / ".env.example").read_text().splitlines() if line and not line.startswith("#")
+    )
+    assert required <= set(example), sorted(required - set(example))
+    assert ".env" in (INFRA / ".gitignore").read_text().split()
+
+
+# ---------------------------------------------------------------------------------------------- terraform
+def unquote(value: Any) -> Any:
+    """python-hcl2 keeps the quotes of string literals and block labels (v8); drop them and its metadata keys."""
+    if isinstance(value, str):
+        return value[1:-1] if len(value) >= 2 and value[0] == value[-1] == '"' else value
+    if isinstance(value, list):
+        return [unquote(v) for v in value]
+    if isinstance(value, dict):
+        return {unquote(k): unquote(v) for k, v in value.items() if not (k.startswith("__") and k.endswith("__"))}
+    return value
+
+
+def tf_files() -> list[Path]:
+    return sorted(TERRAFORM.rglob("*.tf"))
+
+
+@pytest.fixture(scope="module")
+def tf() -> dict[str, Any]:
+    """All .tf files merged: block type -> list of blocks."""
+    merged: dict[str, list[Any]] = {}
+    for path in tf_files():
+        with path.open() as f:
+            for key, blocks in unquote(hcl2.load(f)).items():
+                merged.setdefault(key, []).extend(blocks)
+    return merged
+
+
+def labelled(tf: dict[str, Any], kind: str, type_: str | None = None) -> dict[str, dict[str, Any]]:
+    """resource/data blocks of one type as {label: body}, or variables/outputs as {name: body}."""
+    out: dict[str, dict[str, Any]] = {}
+    for block in tf.get(kind, []):
+        for first, body in block.items():
+            if type_ is None:
+                out[first] = body
+            elif first == type_:
+                out.update(body)
+    return out
+
+
+def resolve(tf: dict[str, Any], value: Any) -> Any:
+    """`${local.x}` and `${var.x}` (its default) to their values; anything else unchanged."""
+    match = re.fullmatch(r"\$\{(local|var)\.(\w+)\}", value) if isinstance(value, str) else None
+    if not match:
+        return value
+    if match[1] == "local":
+        locals_ = {k: v for block in tf.get("locals", []) for k, v in block.items()}
+        return resolve(tf, locals_[match[2]])
+    return resolve(tf, labelled(tf, "variable")[match[2]].get("default"))
+
+
+def test_terraform_files_parse() -> None:
+    names = {p.name for p in tf_files()}
+    assert {"versions.tf", "main.tf", "variables.tf"} <= names, names
+    for path in tf_files():
+        with path.open() as f:
+            assert isinstance(hcl2.load(f), dict), path
+
+
+def test_terraform_provider_is_pinned(tf: dict[str, Any]) -> None:
+    providers = [p for block in tf["terraform"] for req in block.get("required_providers", []) for p in [req.get("prefect")] if p]
+    assert len(providers) == 1
+    assert providers[0]["source"] == "prefecthq/prefect"
+    assert re.fullmatch(r"(~>|>=|=)\s*\d+(\.\d+)*(\s*,\s*<\s*\d+(\.\d+)*)?", providers[0]["version"]), providers[0]["version"]
+    provider = labelled(tf, "provider")["prefect"]
+    api_url_var = re.fullmatch(r"\$\{var\.(\w+)\}", provider["endpoint"])[1]  # type: ignore[index]
+    assert resolve(tf, provider["endpoint"]).endswith("/api"), api_url_var
+    api_key_var = re.fullmatch(r"\$\{var\.(\w+)\}", provider["api_key"])[1]  # type: ignore[index]
+    assert labelled(tf, "variable")[api_key_var].get("sensitive") is True
+
+
+def test_terraform_work_pool_and_flow(tf: dict[str, Any]) -> None:
+    pools = labelled(tf, "resource", "prefect_work_pool")
+    assert [(p["name"], p["type"]) for p in pools.values()] == [(POOL, "process")]
+    flows = labelled(tf, "resource", "prefect_flow")
+    assert [f["name"] for f in flows.values()] == ["influence-run"]
+
+
+def test_terraform_deployments(tf: dict[str, Any]) -> None:
+    deployments = {d["name"]: (label, d) for label, d in labelled(tf, "resource", "prefect_deployment").items()}
+    assert set(deployments) == {"nightly", "on-demand"}
+    (pool_label,) = labelled(tf, "resource", "prefect_work_pool")
+    (flow_label,) = labelled(tf, "resource", "prefect_flow")
+    for name, (_, d) in deployments.items():
+        assert resolve(tf, d["entrypoint"]) == ENTRYPOINT, name
+        assert d["enforce_parameter_schema"] is True, name
+        assert d["work_pool_name"] in (POOL, f"${{prefect_work_pool.{pool_label}.name}}"), name
+        assert d["flow_id"] == f"${{prefect_flow.{flow_label}.id}}", name
+        assert "flow_parameter_schema.json" in str(resolve(tf, d["parameter_openapi_schema"])), name
+        pull = resolve(tf, d["pull_steps"])
+        assert pull[0]["type"] == "set_working_directory", name
+        assert (ROOT / "infra/docker/Dockerfile").read_text().count(f"WORKDIR {resolve(tf, pull[0]['directory'])}") == 1
+    params = resolve(tf, "${local.stack_params}")
+    assert params["compute"]["cluster"] == "address"
+    assert resolve(tf, params["compute"]["address"]) == SCHEDULER_ADDRESS
+    assert resolve(tf, params["storage"]["endpoint_url"]) == "http://minio:9000"
+
+
+def test_terraform_nightly_schedule_is_cron(tf: dict[str, Any]) -> None:
+    deployments = {d["name"]: label for label, d in labelled(tf, "resource", "prefect_deployment").items()}
+    schedules = list(labelled(tf, "resource", "prefect_deployment_schedule").values())
+    targets = [s["deployment_id"] for s in schedules]
+    assert targets == [f"${{prefect_deployment.{deployments['nightly']}.id}}"], targets
+    cron = resolve(tf, schedules[0]["cron"])
+    assert isinstance(cron, str) and len(cron.split()) == 5, cron
+    assert schedules[0].get("active") is True
+    assert not any(k in schedules[0] for k in ("interval", "rrule"))
+
+
+def test_terraform_parameter_schema_matches_the_flow() -> None:
+    """The stored schema equals what Prefect derives from influence_run(params: RunParameters); regenerate with
+    infra/terraform/update_parameter_schema.py. (Pydantic's schema with Prefect's ref template is what Prefect emits,
+    without importing Prefect here.)"""
+    from flows.parameters import RunParameters
+
+    stored = json.loads((TERRAFORM / "flow_parameter_schema.json").read_text())
+    top = RunParameters.model_json_schema(ref_template="#/definitions/{model}")
+    definitions = top.pop("$defs", {})
+    definitions["RunParameters"] = top
+    expected = {
+        "title": "Parameters",
+        "type": "object",
+        "properties": {
+            "params": {
+                "$ref": "#/definitions/RunParameters",
+                "default": RunParameters().model_dump(mode="json"),
+                "position": 0,
+                "title": "params",
+            }
+        },
+        "definitions": definitions,
+    }
+    assert stored == expected, "flow_parameter_schema.json is stale: run infra/terraform/update_parameter_schema.py"
+
+
+def test_terraform_fmt() -> None:
+    terraform = shutil.which("terraform")
+    if terraform is None:
+        pytest.skip("terraform is not installed")
+    result = subprocess.run([terraform, "fmt", "-check", "-recursive", str(TERRAFORM)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"not formatted: {result.stdout}{result.stderr}"
+
+
+# ---------------------------------------------------------------------------------------------- helm
+@pytest.fixture(scope="module")
+def worker_values() -> dict[str, Any]:
+    docs = [d for d in yaml.safe_load_all((HELM / "prefect-worker-values.yaml").read_text()) if d]
+    assert len(docs) == 1
+    return docs[0]
+
+
+@pytest.fixture(scope="module")
+def dask_docs() -> list[dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all((HELM / "dask-cluster.yaml").read_text()) if d]
+    assert docs and all(d["apiVersion"] == "kubernetes.dask.org/v1" for d in docs)
+    return docs
+
+
+def test_helm_worker_values(worker_values: dict[str, Any], services: dict[str, dict[str, Any]]) -> None:
+    worker = worker_values["worker"]
+    image = f"{worker['image']['repository']}:{worker['image']['prefectTag']}"
+    assert image_is_pinned(image), image
+    assert image == services["prefect-worker"]["image"], "the chart should run the same project image as compose"
+    assert worker["config"]["workPool"] == POOL
+    assert worker["config"]["type"] == "process"
+    assert worker["apiConfig"] == "selfHostedServer"
+    assert worker["selfHostedServerApiConfig"]["apiUrl"].endswith(":4200/api")
+    # the chart's default command (/opt/prefect/entrypoint.sh) exists only in Prefect's images
+    assert worker["command"] and worker["command"][0] == "/usr/bin/tini"
+    assert "tini" in DOCKERFILE.read_text()
+    env = {e["name"]: e for e in worker["extraEnvVars"]}
+    for key in ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]:
+        assert "value" not in env[key] and env[key]["valueFrom"]["secretKeyRef"]["key"] == key, key
+    assert worker["resources"]["requests"] and worker["resources"]["limits"]
+
+
+def worker_containers(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        if doc["kind"] in ("DaskCluster", "DaskWorkerGroup"):
+            groups[doc["metadata"]["name"]] = doc["spec"]["worker"]["spec"]["containers"]
+    return groups
+
+
+def test_helm_images_are_pinned(dask_docs: list[dict[str, Any]]) -> None:
+    images = [m["image"] for m in walk(dask_docs) if "image" in m]
+    assert len(images) >= 3
+    for image in images:
+        assert image_is_pinned(image), image
+
+
+def test_dask_cluster_scheduler_and_workers(dask_docs: list[dict[str, Any]]) -> None:
+    (cluster,) = [d for d in dask_docs if d["kind"] == "DaskCluster"]
+    # the operator names the scheduler Service <cluster>-scheduler: the address flows use
+    assert f"tcp://{cluster['metadata']['name']}-scheduler:8786" == SCHEDULER_ADDRESS
+    ports = [p["port"] for p in cluster["spec"]["scheduler"]["service"]["ports"]]
+    assert 8786 in ports
+    groups = worker_containers(dask_docs)
+    assert len(groups) >= 2
+    for group, containers in groups.items():
+        for container in containers:
+            args = as_list(container["args"])
+            assert args[:1] == ["dask"] and "worker" in args, group
+            assert flag_value(args, "--nthreads") == "1", f"{group}: workers must be single-threaded"
+            env = {e["name"]: e for e in container.get("env", [])}
+            assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"], group
+
+
+def test_dask_gpu_worker_group(dask_docs: list[dict[str, Any]]) -> None:
+    (cluster,) = [d for d in dask_docs if d["kind"] == "DaskCluster"]
+    gpu_groups = [d for d in dask_docs if d["kind"] == "DaskWorkerGroup" and d["spec"]["cluster"] == cluster["metadata"]["name"]]
+    gpu_containers = [c for g in gpu_groups for c in g["spec"]["worker"]["spec"]["containers"] if "cuda" in as_list(c["args"])]
+    assert gpu_containers, "no dask-cuda worker group attached to the cluster"
+    for container in gpu_containers:
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+        assert container["image"].endswith("-gpu"), container["image"]

@@ -1,0 +1,185 @@
+"""The scale-out engine on real clusters: identical scores on every cluster kind, tasks that carry no training
+data, one gradient per training example, sharded storage, and resumption after SIGKILL or a lost worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+from flows.influence_run import influence_run
+from influence_core import ConfigError, storage
+from influence_core.cluster import dask_client
+from influence_core.layout import score_layout
+from influence_core.pipeline import factors, preconditioner, prepare, scoring, training
+from influence_core.pipeline.loading import open_data
+from influence_core.specs import ComputeSpec
+from tests.helpers import read_outputs, small_params
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def slow_params(output_url: str, cluster: str = "sequential", **extra):
+    """CG with self-influence: each 32-row chunk takes a noticeable moment, so a run can be interrupted."""
+    return small_params(
+        output_url,
+        dataset={"n_train": 400, "n_test": 8, "chunk_rows": 128},
+        model={"hidden": [16]},
+        method={"name": "cg", "regularization": 1e-2, "rtol": 1e-6},
+        compute={"cluster": cluster, "train_chunk_rows": 32, **extra},
+    )
+
+
+def upstream(params):
+    store = params.store()
+    data = prepare.run(params.dataset, store)
+    model = training.run(params.model, params.training, data, store)
+    curvature = preconditioner.run(params.method, model, data, store)
+    return store, data, model, curvature, factors.run(params.method, model, data, curvature, store)
+
+
+def score(params, client_factory=None):
+    store, data, model, curvature, facts = upstream(params)
+    factory = client_factory or (lambda: dask_client(params.compute, False))
+    return scoring.run(params.compute, params.method, model, data, curvature, facts, store, factory), store
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted sequential run of the slow problem."""
+    params = slow_params(str(tmp_path_factory.mktemp("ref") / "run"))
+    ref, store = score(params)
+    return params, ref, read_outputs(store)[1]
+
+
+def test_every_cluster_kind_gives_identical_scores(reference, dask_address, tmp_path):
+    params, ref, expected = reference
+    assert ref.gradient_rows == 400 and ref.chunks_computed == ref.n_chunks == 13  # each training gradient once
+    for kind, extra in (("address", {"address": dask_address}), ("local", {"n_workers": 2})):
+        other = slow_params(str(tmp_path / kind), kind, **extra)
+        got, store = score(other)
+        arrays = read_outputs(store)[1]
+        np.testing.assert_array_equal(arrays["scores"], expected["scores"])
+        np.testing.assert_array_equal(arrays["self_influence"], expected["self_influence"])
+        assert got.gradient_rows == 400
+
+
+def test_tasks_carry_refs_not_training_data(reference):
+    params, _, _ = reference
+    store, data, model, curvature, facts = upstream(params)
+    call = scoring.plan(params.compute, params.method, model, data, curvature, facts, store)
+    job = scoring.make_job(call, params.compute, params.method, model, data, curvature, facts, store)
+    payload = cloudpickle.dumps((scoring.score_chunk, job, 3))
+    x_train = np.asarray(open_data(data, store.options)["x_train"][...])
+    assert len(payload) < 16_000 < x_train.nbytes
+    assert all(row.tobytes() not in payload for row in x_train[:100])
+
+
+def test_scores_are_sharded_one_object_per_task(reference):
+    params, ref, _ = reference
+    store = params.store()
+    fs, path = storage.filesystem(storage.join(ref.url, "c"), store.options)
+    objects = [p for p in fs.find(path)]
+    assert len(objects) == ref.n_chunks == 13  # 13 shards, not 13 × (inner chunks) objects
+    layout = score_layout(1000, 1_000_000, target_shard_mb=64)  # 1,000 x 1,000,000: 59 objects of ~64 MB, not 100,000
+    assert layout.n_tasks == 59 and layout.shard[1] % layout.chunk[1] == 0
+    assert abs(layout.shard[0] * layout.shard[1] * 4 / 2**26 - 1) < 0.05
+    assert abs(layout.chunk[0] * layout.chunk[1] * 4 / 2**20 - 1) < 0.01
+
+
+def test_multithreaded_workers_are_refused_unless_allowed():
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster:
+        spec = ComputeSpec(cluster="address", address=cluster.scheduler_address)
+        with pytest.raises(ConfigError, match=r"compute.address: .* 2 threads each.*allow_multithreaded_workers"):
+            with dask_client(spec, thread_safe=False):
+                pass
+        allowed = spec.model_copy(update={"allow_multithreaded_workers": True})
+        with dask_client(allowed, thread_safe=False) as client:
+            assert sum(client.nthreads().values()) == 2
+
+
+def test_cuda_cluster_without_gpu_is_a_clear_error():
+    with pytest.raises(ConfigError, match="compute.cluster: cluster=cuda but no CUDA device"):
+        with dask_client(ComputeSpec(cluster="cuda"), thread_safe=False):
+            pass
+
+
+def test_lost_worker_still_gives_correct_scores(reference, tmp_path):
+    params, _, expected = reference
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster) as client:
+        run = slow_params(str(tmp_path / "run"), "address", address=cluster.scheduler_address)
+        victim = next(iter(client.scheduler_info()["workers"]))
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        store = run.store()
+        killed = threading.Event()
+
+        def kill_when_started() -> None:
+            while not killed.is_set():
+                if len(list((tmp_path / "run" / "stages" / "compute_influences").glob("*/done/*"))) >= 2:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.set()
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=kill_when_started, daemon=True)
+        watcher.start()
+        ref, store = score(run, client_factory=lambda: _borrowed(client))
+        assert killed.is_set(), "the worker was not killed during the run"
+        assert ref.chunks_computed == 13
+    np.testing.assert_array_equal(read_outputs(store)[1]["scores"], expected["scores"])
+
+
+class _borrowed:
+    """A client the test owns, lent to the engine without closing it."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def __enter__(self) -> Client:
+        return self.client
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_sigkill_during_compute_then_resume(reference, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    params, _, expected = reference
+    run = slow_params(str(tmp_path / "run"))
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    script = "import sys; from flows.influence_run import influence_run; from flows.parameters import RunParameters; influence_run(RunParameters.model_validate_json(sys.argv[1]))"
+    proc = subprocess.Popen([sys.executable, "-c", script, run.model_dump_json()], env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done_glob = "stages/compute_influences/*/done/*"
+    deadline = time.time() + 240
+    while len(list((tmp_path / "run").glob(done_glob))) < 3:
+        assert proc.poll() is None, f"the flow ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(list((tmp_path / "run").glob(done_glob)))
+    assert 3 <= done_before < 13
+    group, _ = read_outputs(run.store())
+    assert group.attrs["status"] == "running"  # a killed run never looks complete
+
+    summary = influence_run(run)
+    stage = summary["stages"]["compute_influences"]
+    assert stage["outcome"] == "computed"
+    assert stage["chunks_computed"] == 13 - done_before
+    assert stage["gradient_rows"] == 400 - 32 * done_before  # sequential chunks finish in order; only the rest are redone
+    group, arrays = read_outputs(run.store())
+    assert group.attrs["status"] == "complete"
+    np.testing.assert_array_equal(arrays["scores"], expected["scores"])
+    np.testing.assert_array_equal(arrays["self_influence"], expected["self_influence"])
+    assert json.loads(storage.read_bytes(run.store().url("summary.json"), {}))["status"] == "complete"
