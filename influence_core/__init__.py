@@ -9,12 +9,15 @@ from .methods import (
     CgInfluence,
     DataInfInfluence,
     DirectInfluence,
+    EkfacInfluence,
     IdentityInfluence,
     InfluenceFunctionModel,
+    KfacInfluence,
     LissaInfluence,
     NystroemSketchInfluence,
 )
 from .objective import Objective
+from .projection import Projection
 from .version import CODE_VERSION, __version__
 
 __all__ = [
@@ -24,11 +27,14 @@ __all__ = [
     "ConfigError",
     "DataInfInfluence",
     "DirectInfluence",
+    "EkfacInfluence",
     "IdentityInfluence",
     "InfluenceFunctionModel",
+    "KfacInfluence",
     "LissaInfluence",
     "NystroemSketchInfluence",
     "NumericalError",
     "Objective",
+    "Projection",
     "__version__",
 ]

@@ -5,6 +5,7 @@ from .cg import CgInfluence
 from .datainf import DataInfInfluence
 from .direct import DirectInfluence
 from .identity import IdentityInfluence
+from .kfac import EkfacInfluence, KfacInfluence
 from .lissa import LissaInfluence
 from .lowrank import ArnoldiInfluence, NystroemSketchInfluence
 
@@ -14,7 +15,9 @@ __all__ = [
     "CgInfluence",
     "DataInfInfluence",
     "DirectInfluence",
+    "EkfacInfluence",
     "IdentityInfluence",
+    "KfacInfluence",
     "InfluenceFunctionModel",
     "LissaInfluence",
     "NystroemSketchInfluence",

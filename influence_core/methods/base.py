@@ -14,11 +14,14 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from ..batches import Batches, Data, as_batches
-from ..blocks import BlockCurvature, BlockStructure, Regularization, block_regularization, make_blocks
+from ..batches import Batches, Data, as_batches, count_rows
+from ..blocks import BlockCurvature, BlockStructure, Regularization, block_regularization, layer_blocks, make_blocks
 from ..curvature import CurvatureOperator, SecondOrderMode
+from ..errors import ConfigError
+from ..layers import capture, module_param_names, select_layers
 from ..losses import LossFn
 from ..objective import Objective
+from ..projection import Projection, Projector, project_batch
 
 
 class BlockSolver(ABC):
@@ -57,6 +60,7 @@ class InfluenceFunctionModel(ABC):
     """
 
     name: ClassVar[str]
+    supports_projection: ClassVar[bool] = True
     # torch.func.functional_call swaps tensors on the module during a call, so one module must not serve
     # two threads at once; a method that avoids this may declare itself thread-safe.
     thread_safe: ClassVar[bool] = False
@@ -70,11 +74,24 @@ class InfluenceFunctionModel(ABC):
         *,
         second_order_mode: SecondOrderMode = "hessian",
         block_structure: BlockStructure = "full",
+        modules: Iterable[str] | None = None,
+        projection: Projection | None = None,
         param_names: Iterable[str] | None = None,
         batch_size: int = 128,
     ) -> None:
+        self.projector: Projector | None = None
+        self.feature_space = projection is not None  # curvature taken in the projected space (TRAK-style)
+        if projection is not None:
+            if not self.supports_projection:
+                raise ConfigError("method.projection", f"{self.name} works on full gradients", "use direct (TRAK), identity, cg, arnoldi, nystroem, datainf or ekfac with a projection")
+            layers = select_layers(model, modules)
+            self.projector = projection.build(layers)
+            param_names = [p for layer in layers for p in layer.param_names]
+        elif param_names is None:
+            param_names = module_param_names(model, modules)
         self.objective = Objective(model, loss, param_names)
-        self.blocks = make_blocks(self.objective.space, block_structure)
+        self.excluded_parameters = [n for n, p in model.named_parameters() if p.requires_grad and n not in self.objective.space.params]
+        self.blocks = self._feature_blocks(block_structure) if self.projector else make_blocks(self.objective.space, block_structure)
         self.regularization = block_regularization(self.blocks, regularization, self.needs_positive_regularization, self.name)
         self.second_order_mode = second_order_mode
         self.block_structure = block_structure
@@ -88,11 +105,26 @@ class InfluenceFunctionModel(ABC):
         """The solver of one block."""
 
     # -- fitting ---------------------------------------------------------------------------------
+    def _feature_blocks(self, structure: BlockStructure) -> dict[str, slice]:
+        """Blocks of the projected feature space: all of it, or one per tracked layer."""
+        assert self.projector is not None
+        slices, start = {}, 0
+        for layer in self.projector.layers:
+            dim = self.projector.layer_dim(layer)
+            slices[layer.block] = slice(start, start + dim)
+            start += dim
+        return {"all": slice(0, start)} if structure == "full" else slices
+
     def _bind(self, train: Data | None) -> None:
         if train is not None:
             self.train = as_batches(train, self.batch_size)
-        operator = CurvatureOperator(self.objective, self.train, self.second_order_mode)
-        self.solvers = {name: self.make_solver(BlockCurvature(operator, sl, name), self.regularization[name]) for name, sl in self.blocks.items()}
+        if self.feature_space:
+            covariance = FeatureCovariance(self)
+            curvatures = {name: covariance.block(sl, name) for name, sl in self.blocks.items()}
+        else:
+            operator = CurvatureOperator(self.objective, self.train, self.second_order_mode)
+            curvatures = {name: BlockCurvature(operator, sl, name) for name, sl in self.blocks.items()}
+        self.solvers = {name: self.make_solver(curvature, self.regularization[name]) for name, curvature in curvatures.items()}
 
     def fit(self, train: Data) -> Self:
         """Compute the curvature state from training data (a DataLoader or an (x, y) tuple)."""
@@ -128,13 +160,27 @@ class InfluenceFunctionModel(ABC):
 
     # -- the two halves of a score -----------------------------------------------------------------
     def gradient_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Per-example representation (n, p'): the loss gradient, compressed per block where the method does."""
+        """Per-example representation (n, p'): the loss gradient, projected or compressed where the method does."""
         self._require_fitted()
+        return self._raw_features(x, y)
+
+    def _raw_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         parts = []
         for start in range(0, len(x), self.batch_size):
-            grads = self.objective.per_sample_grads(x[start : start + self.batch_size], y[start : start + self.batch_size])
-            parts.append(self._per_block(grads, self.blocks.values(), lambda s, g: s.features(g)))
+            xb, yb = x[start : start + self.batch_size], y[start : start + self.batch_size]
+            if self.projector is not None:
+                parts.append(project_batch(self.projector, self.capture(xb, yb)))
+            else:
+                grads = self.objective.per_sample_grads(xb, yb)
+                parts.append(self._per_block(grads, self.blocks.values(), lambda s, g: s.features(g)))
         return torch.cat(parts)
+
+    def capture(self, x: torch.Tensor, y: torch.Tensor):  # type: ignore[no-untyped-def]
+        """Inputs and true-label output gradients of the tracked layers for one batch (counted as gradients)."""
+        assert self.projector is not None
+        x, y = self.objective.to_model(x, y)
+        self.objective.gradient_rows += len(x)
+        return capture(self.objective.model, self.projector.layers, self.objective.loss_fn, x, y)
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
         """Apply (C + λI)⁻¹, block by block, to each row of `features` (n, p')."""
@@ -182,3 +228,76 @@ class InfluenceFunctionModel(ABC):
         features = self.gradient_features(x, y)
         scores = None if factors is None else factors @ features.T
         return scores, (features * self.precondition(features)).sum(dim=1)
+
+    # -- per-module scores -------------------------------------------------------------------------
+    def module_segments(self) -> dict[str, slice]:
+        """The slice of the feature space that belongs to each module."""
+        if self.projector is not None:
+            return self._feature_blocks("layer_wise")
+        if all(solver.feature_dim == sl.stop - sl.start for solver, sl in zip(self.solvers.values(), self.blocks.values())):
+            return layer_blocks(self.objective.space)
+        if self.block_structure == "layer_wise":
+            return dict(zip(self.solvers, self._feature_slices()))
+        raise ConfigError("method.block_structure", f"{self.name} mixes modules in its compressed features", "use block_structure='layer_wise' for per-module scores")
+
+    def influences_by_module(self, x_test: torch.Tensor, y_test: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Scores split by the module whose parameters carry them; they sum to `influences`."""
+        factors, features = self.influence_factors(x_test, y_test), self.gradient_features(x, y)
+        return {module: factors[:, sl] @ features[:, sl].T for module, sl in self.module_segments().items()}
+
+
+class FeatureCovariance:
+    """The uncentred covariance of the projected training gradients, (1/n) Σ φ_i φ_iᵀ: TRAK's curvature in the
+    projected space. Built in one pass over the data on first use and shared by all blocks."""
+
+    def __init__(self, model: InfluenceFunctionModel) -> None:
+        self.model = model
+        self._matrix: torch.Tensor | None = None
+
+    def matrix(self) -> torch.Tensor:
+        if self._matrix is None:
+            data = self.model.train
+            if data is None:
+                raise RuntimeError("the projected curvature needs the training data: fit(train) first")
+            total = None
+            for x, y in data:
+                f = self.model._raw_features(x, y).to(torch.float64)
+                total = f.T @ f if total is None else total + f.T @ f
+            assert total is not None
+            self._matrix = total / count_rows(data)
+        return self._matrix
+
+    def block(self, sl: slice, name: str) -> "CovarianceBlock":
+        return CovarianceBlock(self, sl, name)
+
+
+class CovarianceBlock:
+    """One block of the projected covariance, with the interface solvers use (dim, dense, matmat, gradient_batches)."""
+
+    def __init__(self, covariance: FeatureCovariance, block: slice, name: str) -> None:
+        self.covariance, self.block, self.name = covariance, block, name
+        self.dim = block.stop - block.start
+
+    def dense(self) -> torch.Tensor:
+        return self.covariance.matrix()[self.block, self.block].to(self.dtype)
+
+    def matmat(self, vectors: torch.Tensor) -> torch.Tensor:
+        return vectors @ self.dense().to(vectors.dtype)
+
+    def gradient_batches(self):  # type: ignore[no-untyped-def]
+        assert self.covariance.model.train is not None
+        for x, y in self.covariance.model.train:
+            yield self.covariance.model._raw_features(x, y)[:, self.block]
+
+    @property
+    def n(self) -> int:
+        assert self.covariance.model.train is not None
+        return count_rows(self.covariance.model.train)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.covariance.model.objective.space.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.covariance.model.objective.space.device

@@ -56,6 +56,7 @@ class LissaInfluence(InfluenceFunctionModel):
     """
 
     name = "lissa"
+    supports_projection = False  # its stochastic steps need curvature products of single batches
 
     def __init__(
         self,

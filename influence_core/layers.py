@@ -1,0 +1,223 @@
+"""Tracked Linear and Conv2d layers: their inputs and output gradients captured by hooks, per example.
+
+A layer's per-example gradient is Σ_t g_t a_tᵀ over positions t (one position for a plain Linear input, every
+patch for a convolution), with a = the layer input (unfolded patches for Conv2d, a trailing 1 for the bias) and
+g = ∂ℓ/∂(layer output). Kronecker-factored curvature and Kronecker-structured projections work on (a, g) directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import ROOT_BLOCK
+from .errors import ConfigError
+from .losses import LOSSES, LossFn
+from .noise import ExampleNoise
+
+SUPPORTED = (nn.Linear, nn.Conv2d)
+FisherKind = Literal["sampled", "exact"]
+
+
+@dataclass(frozen=True)
+class TrackedLayer:
+    name: str
+    module: nn.Module
+
+    @property
+    def has_bias(self) -> bool:
+        return self.module.bias is not None
+
+    @property
+    def out_dim(self) -> int:
+        return self.module.weight.shape[0]
+
+    @property
+    def in_dim(self) -> int:
+        """Columns of the layer's gradient matrix: inputs (times kernel size), plus one for the bias."""
+        return self.module.weight[0].numel() + int(self.has_bias)
+
+    @property
+    def param_names(self) -> list[str]:
+        prefix = f"{self.name}." if self.name else ""
+        return [f"{prefix}weight"] + ([f"{prefix}bias"] if self.has_bias else [])
+
+    @property
+    def block(self) -> str:
+        """The name of this layer's parameter block (see `blocks.layer_blocks`)."""
+        return self.name or ROOT_BLOCK
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer input as (batch, positions, in_dim), bias column included."""
+        m = self.module
+        if isinstance(m, nn.Conv2d):
+            patches = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+            a = patches.transpose(1, 2)
+        else:
+            a = x.reshape(x.shape[0], -1, x.shape[-1])
+        if self.has_bias:
+            a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+        return a
+
+    def output_grads(self, g: torch.Tensor) -> torch.Tensor:
+        """∂ℓ/∂output as (batch, positions, out_dim)."""
+        if isinstance(self.module, nn.Conv2d):
+            return g.flatten(2).transpose(1, 2)
+        return g.reshape(g.shape[0], -1, g.shape[-1])
+
+    def to_matrix(self, flat: torch.Tensor) -> torch.Tensor:
+        """Parameter-ordered vectors (weight flattened, then bias) → gradient matrices (n, out, in_dim)."""
+        n, w = flat.shape[0], self.module.weight.numel()
+        weight = flat[:, :w].reshape(n, self.out_dim, -1)
+        return torch.cat([weight, flat[:, w:, None]], dim=2) if self.has_bias else weight
+
+    def to_flat(self, matrix: torch.Tensor) -> torch.Tensor:
+        """Inverse of `to_matrix`."""
+        n = matrix.shape[0]
+        if not self.has_bias:
+            return matrix.reshape(n, -1)
+        return torch.cat([matrix[:, :, :-1].reshape(n, -1), matrix[:, :, -1]], dim=1)
+
+
+def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[TrackedLayer]:
+    """Layers by module name, or every Linear and Conv2d; unsupported choices fail with the field named."""
+    modules = dict(model.named_modules())
+    if names is None:
+        chosen = [n for n, m in modules.items() if isinstance(m, SUPPORTED)]
+    else:
+        chosen = list(names)
+        unknown = [n for n in chosen if n not in modules]
+        if unknown:
+            raise ConfigError("method.modules", f"no modules named {unknown}", f"pick from {[n for n, m in modules.items() if isinstance(m, SUPPORTED)]}")
+        unsupported = [f"{n} ({type(modules[n]).__name__})" for n in chosen if not isinstance(modules[n], SUPPORTED)]
+        if unsupported:
+            raise ConfigError("method.modules", f"{unsupported} are not Linear or Conv2d", "track Linear and Conv2d modules only")
+    for n in chosen:
+        m = modules[n]
+        if isinstance(m, nn.Conv2d) and (m.groups != 1 or m.padding_mode != "zeros"):
+            raise ConfigError("method.modules", f"{n} uses groups={m.groups}, padding_mode={m.padding_mode!r}", "track plain convolutions (groups=1, zero padding) only")
+    if not chosen:
+        raise ConfigError("method.modules", "the model has no Linear or Conv2d layer", "use a method without Kronecker factors, e.g. cg")
+    return [TrackedLayer(n, modules[n]) for n in chosen]
+
+
+def module_param_names(model: nn.Module, modules: Iterable[str] | None) -> list[str] | None:
+    """The parameter names of the chosen modules (None: every trainable parameter)."""
+    if modules is None:
+        return None
+    named = dict(model.named_modules())
+    missing = [m for m in modules if m not in named]
+    if missing:
+        raise ConfigError("method.modules", f"no modules named {missing}", f"pick from {[n for n in named if n]}")
+    return [f"{m}.{p}" for m in modules for p, t in named[m].named_parameters(recurse=False) if t.requires_grad]
+
+
+@dataclass
+class Capture:
+    """Inputs a (batch, positions, in_dim) and output gradients g (batch, positions, out_dim) of every tracked layer."""
+
+    a: dict[str, torch.Tensor]
+    g: dict[str, list[torch.Tensor]]  # one entry per backward pass (several for the exact Fisher)
+
+    def gradient(self, layer: str, column: int = 0) -> torch.Tensor:
+        """Per-example gradient matrices Σ_t g_t a_tᵀ: (batch, out, in_dim)."""
+        return torch.einsum("bto,bti->boi", self.g[layer][column], self.a[layer])
+
+
+@contextmanager
+def _recording(layers: list[TrackedLayer], inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Forward hooks that keep each tracked layer's input (as a) and its output tensor."""
+    handles = []
+    for layer in layers:
+
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor, layer: TrackedLayer = layer) -> None:
+            inputs[layer.name] = layer.inputs(args[0].detach())
+            outputs[layer.name] = output
+
+        handles.append(layer.module.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def capture(
+    model: nn.Module,
+    layers: list[TrackedLayer],
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mode: Literal["labels", "sampled", "exact"] = "labels",
+    noise: ExampleNoise | None = None,
+    offset: int = 0,
+) -> Capture:
+    """One forward pass and the gradients with respect to every tracked layer's output, recording (a, g).
+
+    - labels: g = ∂ℓ(f(x), y)/∂output, the true per-example gradient;
+    - sampled: g from targets drawn from the model's predictive distribution (the true Fisher), with the noise of
+      examples offset, offset+1, ... so the draws do not depend on batching;
+    - exact: one backward pass per column of a square root of ∇²ℓ(f), so Σ_columns g gᵀ is the exact
+      Gauss-Newton factor.
+    Parameters' .grad are never touched.
+    """
+    inputs: dict[str, torch.Tensor] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    with torch.enable_grad(), _recording(layers, inputs, outputs):
+        out = model(x)
+    names = [layer.name for layer in layers]
+    if any(not outputs[n].requires_grad for n in names):
+        raise ConfigError("model", "tracked layers produce outputs without gradients", "keep the tracked layers' parameters requires_grad=True")
+    if mode == "labels":
+        roots, cotangents = [loss_fn(out, y) * len(x)], [None]  # the sum over examples: each gets its own gradient
+    else:
+        cotangents = _fisher_cotangents(out.detach(), y, loss_fn, mode, noise, offset)
+        roots = [out] * len(cotangents)
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for i, (root, cotangent) in enumerate(zip(roots, cotangents)):
+        found = torch.autograd.grad(root, [outputs[n] for n in names], cotangent, retain_graph=i + 1 < len(roots))
+        for layer, g in zip(layers, found):
+            grads[layer.name].append(layer.output_grads(g.detach()))
+    return Capture(inputs, grads)
+
+
+def _fisher_cotangents(out: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, mode: str, noise: ExampleNoise | None, offset: int) -> list[torch.Tensor]:
+    """Output cotangents whose outer products average to the output Hessian of the loss (per example)."""
+    if loss_fn is F.cross_entropy:
+        probs = torch.softmax(out, dim=-1)
+        if mode == "sampled":
+            assert noise is not None
+            u = noise.uniform(offset, offset + len(out), probs)
+            sampled = (probs.cumsum(-1) < u[:, None]).sum(-1).clamp_max(out.shape[-1] - 1)  # inverse-CDF draw
+            return [probs - F.one_hot(sampled, out.shape[-1]).to(out.dtype)]
+        eye = torch.eye(out.shape[-1], dtype=out.dtype, device=out.device)
+        return [probs[:, c : c + 1].sqrt() * (eye[c] - probs) for c in range(out.shape[-1])]
+    if loss_fn is LOSSES["mse"]:
+        d = out[0].numel()  # mean squared error over d outputs: ∇²ℓ = (2/d)·I
+        if mode == "sampled":
+            assert noise is not None
+            return [(2.0 / d) ** 0.5 * noise.normal(offset, offset + len(out), tuple(out.shape), out)]
+        basis = torch.eye(d, dtype=out.dtype, device=out.device) * (2.0 / d) ** 0.5
+        return [basis[c].expand(out.shape[0], d).reshape(out.shape) for c in range(d)]
+    if mode == "sampled":
+        raise ConfigError("method.fisher", "the sampled Fisher needs the cross_entropy or mse loss", "use fisher='exact' with a custom loss")
+    return _exact_square_root(out, y, loss_fn)
+
+
+def _exact_square_root(out: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> list[torch.Tensor]:
+    """Any loss: per-example output Hessians, eigendecomposed into columns L with L Lᵀ = ∇²ℓ (negative parts dropped)."""
+
+    def single(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return loss_fn(o.unsqueeze(0), t.unsqueeze(0))
+
+    b, c = out.shape[0], out[0].numel()
+    hessians = torch.func.vmap(torch.func.hessian(single))(out, y).reshape(b, c, c)
+    values, vectors = torch.linalg.eigh(hessians)
+    roots = vectors * values.clamp_min(0).sqrt()[:, None, :]
+    return [roots[:, :, k].reshape(out.shape) for k in range(c)]

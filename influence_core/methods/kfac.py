@@ -1,0 +1,244 @@
+"""K-FAC and EK-FAC (George et al., 2018; Grosse et al., 2023): Kronecker-factored Gauss-Newton curvature per layer.
+
+Per tracked layer: A = E[Σ_t a aᵀ] and S = E[Σ_t g gᵀ]/T from Fisher pseudo-gradients (labels sampled from the
+model, seeded; or the exact square root of the output Hessian), eigendecomposed in float64; K-FAC takes the
+eigenvalues λ_S ⊗ λ_A, EK-FAC replaces them with the exact second moments of the gradients in that eigenbasis.
+The factor sums are streamed batch by batch and add up, so they can be computed on chunks and summed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import Self
+
+from ..batches import Batches, Data, as_batches
+from ..blocks import BlockCurvature, Regularization
+from ..layers import Capture, FisherKind, TrackedLayer, capture, select_layers
+from ..losses import LOSSES, LossFn
+from ..noise import ExampleNoise
+from ..objective import Objective
+from ..projection import KroneckerProjector, Projection
+from .base import BlockSolver, InfluenceFunctionModel
+
+Sums = dict[str, dict[str, torch.Tensor]]
+Compress = Callable[[Capture], Capture]
+
+
+def _fisher_captures(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int, compress: Compress | None) -> Iterator[tuple[torch.Tensor, Capture]]:
+    """Fisher pseudo-gradient captures batch by batch (compressed to LoGra's virtual layers when asked)."""
+    noise = ExampleNoise(seed)
+    for x, y in batches:
+        x, y = objective.to_model(x, y)
+        cap = capture(objective.model, layers, objective.loss_fn, x, y, fisher, noise, offset)
+        yield x, (compress(cap) if compress else cap)
+        offset += len(x)
+
+
+def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0, compress: Compress | None = None) -> Sums:
+    """Σ over examples of Σ_t a aᵀ and Σ_t g gᵀ per layer, plus counts; sums from disjoint chunks add up."""
+    sums: Sums = {layer.name: {} for layer in layers}
+    for x, cap in _fisher_captures(objective, layers, batches, fisher, seed, offset, compress):
+        for layer in layers:
+            a = cap.a[layer.name].to(torch.float64)
+            _add(sums[layer.name], "a", torch.einsum("bti,btj->ij", a, a))
+            for g in cap.g[layer.name]:
+                g64 = g.to(torch.float64)
+                _add(sums[layer.name], "s", torch.einsum("bto,btp->op", g64, g64))
+            _add(sums[layer.name], "examples", torch.tensor(float(len(x)), dtype=torch.float64))
+            _add(sums[layer.name], "positions", torch.tensor(float(a.shape[0] * a.shape[1]), dtype=torch.float64))
+    return sums
+
+
+def correction_sums(objective: Objective, layers: list[TrackedLayer], bases: dict[str, tuple[torch.Tensor, torch.Tensor]], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0, compress: Compress | None = None) -> Sums:
+    """Σ over examples of (Q_Sᵀ G Q_A)², the gradient's second moment in the Kronecker eigenbasis (EK-FAC)."""
+    sums: Sums = {layer.name: {} for layer in layers}
+    for x, cap in _fisher_captures(objective, layers, batches, fisher, seed, offset, compress):
+        for layer in layers:
+            q_a, q_s = bases[layer.name]
+            for column in range(len(cap.g[layer.name])):
+                rotated = q_s.T.to(x.dtype) @ cap.gradient(layer.name, column) @ q_a.to(x.dtype)
+                _add(sums[layer.name], "lambda", (rotated.to(torch.float64) ** 2).sum(0))
+    return sums
+
+
+def merge(*parts: Sums) -> Sums:
+    """Add the sums of disjoint chunks."""
+    total: Sums = {name: {} for name in parts[0]}
+    for part in parts:
+        for name, values in part.items():
+            for key, value in values.items():
+                _add(total[name], key, value)
+    return total
+
+
+def _add(target: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    target[key] = target[key] + value if key in target else value.clone()
+
+
+class KroneckerSolver(BlockSolver):
+    """(F_l + λI)⁻¹ for one layer in the Kronecker eigenbasis: Q_S [(Q_Sᵀ G Q_A) / (Λ + λ)] Q_Aᵀ."""
+
+    def __init__(self, curvature: BlockCurvature, lam: float, layer: TrackedLayer) -> None:
+        super().__init__(curvature, lam)
+        self.layer = layer
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"q_a": self.q_a, "q_s": self.q_s, "eigenvalues": self.eigenvalues}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.q_a, self.q_s, self.eigenvalues = state["q_a"], state["q_s"], state["eigenvalues"]
+
+    def rotate(self, matrices: torch.Tensor) -> torch.Tensor:
+        """Gradient matrices (n, out, in) into eigen-coordinates."""
+        return self.q_s.T.to(matrices.dtype) @ matrices @ self.q_a.to(matrices.dtype)
+
+    def damped(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.eigenvalues + self.lam).to(dtype)
+
+    def precondition_matrices(self, matrices: torch.Tensor) -> torch.Tensor:
+        """(F_l + λI)⁻¹ applied to gradient matrices (n, out, in)."""
+        scaled = self.rotate(matrices) / self.damped(matrices.dtype)
+        return self.q_s.to(matrices.dtype) @ scaled @ self.q_a.T.to(matrices.dtype)
+
+    def whiten(self, matrices: torch.Tensor) -> torch.Tensor:
+        """(F_l + λI)^(-1/2) in eigen-coordinates: ⟨whiten(G), whiten(G')⟩ = vec(G)ᵀ (F_l + λI)⁻¹ vec(G')."""
+        return self.rotate(matrices) / self.damped(matrices.dtype).sqrt()
+
+    def quadratic(self, matrices: torch.Tensor) -> torch.Tensor:
+        """vec(G)ᵀ (F_l + λI)⁻¹ vec(G) for each gradient matrix: the layer's share of the self-influence."""
+        return (self.rotate(matrices) ** 2 / self.damped(matrices.dtype)).sum(dim=(1, 2))
+
+    def precondition(self, features: torch.Tensor) -> torch.Tensor:
+        return self.layer.to_flat(self.precondition_matrices(self.layer.to_matrix(features)))
+
+
+class KfacInfluence(InfluenceFunctionModel):
+    """Kronecker-factored Gauss-Newton influence over chosen Linear and Conv2d layers (all of them by default).
+
+    Parameters of other modules are excluded explicitly: `excluded_parameters` lists them. `fisher` is 'sampled'
+    (labels drawn from the model, seeded; the default for cross-entropy) or 'exact' (one backward pass per
+    output; the default otherwise, and exact for a single linear layer with squared loss).
+    """
+
+    name = "kfac"
+    eigen_correction = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: LossFn | str,
+        regularization: Regularization = 1e-3,
+        *,
+        modules: Iterable[str] | None = None,
+        projection: Projection | None = None,
+        fisher: FisherKind | None = None,
+        seed: int = 0,
+        batch_size: int = 128,
+    ) -> None:
+        self.layers = select_layers(model, modules)
+        names = [p for layer in self.layers for p in layer.param_names]
+        super().__init__(model, loss, regularization, second_order_mode="gauss_newton", block_structure="layer_wise", param_names=names, batch_size=batch_size)
+        # With a projection the curvature stays in full per-layer space; only factors and features are compressed.
+        self.projector = projection.build(self.layers) if projection is not None else None
+        self.fisher: FisherKind = fisher or ("sampled" if self.objective.loss_fn is LOSSES["cross_entropy"] else "exact")
+        self.seed = seed
+
+    def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
+        return KroneckerSolver(curvature, lam, next(layer for layer in self.layers if layer.block == curvature.name))
+
+    def fit(self, train: Data) -> Self:
+        """Two streaming passes for EK-FAC (factors, then the eigenvalue correction), one for K-FAC."""
+        self._bind(train)
+        assert self.train is not None
+        x, y = next(iter(self.train))
+        self.objective.check_outputs(x, y)
+        self.install(self.fit_factors(self.train))
+        return self
+
+    def fit_factors(self, batches: Batches, offset: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+        """Eigenbases and eigenvalues per layer from the training batches (the state `install` takes)."""
+        compress = self.projector.compress if isinstance(self.projector, KroneckerProjector) else None
+        sums = covariance_sums(self.objective, self.layers, batches, self.fisher, self.seed, offset, compress)
+        bases = {name: factor_bases(values) for name, values in sums.items()}
+        if self.eigen_correction:
+            corrected = correction_sums(self.objective, self.layers, bases, batches, self.fisher, self.seed, offset, compress)
+            eigenvalues = {name: corrected[name]["lambda"] / sums[name]["examples"] for name in sums}
+        else:
+            eigenvalues = {name: kfac_eigenvalues(values) for name, values in sums.items()}
+        blocks = {layer.name: layer.block for layer in self.layers}
+        return {blocks[name]: {"q_a": bases[name][0], "q_s": bases[name][1], "eigenvalues": eigenvalues[name]} for name in sums}
+
+    def install(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for name, solver in self.solvers.items():
+            solver.load_state_dict(state[name])
+        self._fitted = True
+
+    # -- with a projection ---------------------------------------------------------------------------
+    # LoGra: the curvature is fitted on the projected "virtual layers" (Φ_in a, Φ_out g), so no per-example
+    # gradient is ever materialised, and scores are g̃_tᵀ (F̃ + λI)⁻¹ g̃_i in that space.
+    # Gaussian/Rademacher: the curvature stays in full space and both sides are whitened before projecting,
+    # Φ (F + λI)^(-1/2) g, so the projection error is relative to whitened norms.
+
+    def _work(self, x: torch.Tensor, y: torch.Tensor) -> Iterator[list[tuple[int, TrackedLayer, KroneckerSolver, torch.Tensor]]]:
+        """Per micro-batch: (layer index, layer, solver, gradient matrices), projected for LoGra, full otherwise."""
+        assert self.projector is not None
+        for start in range(0, len(x), self.batch_size):
+            cap = self.capture(x[start : start + self.batch_size], y[start : start + self.batch_size])
+            if isinstance(self.projector, KroneckerProjector):
+                cap = self.projector.compress(cap)
+            yield [(i, layer, self.solvers[layer.block], cap.gradient(layer.name)) for i, layer in enumerate(self.layers)]  # type: ignore[misc]
+
+    def _projected(self, work: list[tuple[int, TrackedLayer, KroneckerSolver, torch.Tensor]], precondition: bool) -> torch.Tensor:
+        assert self.projector is not None
+        if isinstance(self.projector, KroneckerProjector):
+            return torch.cat([(solver.precondition_matrices(g) if precondition else g).reshape(len(g), -1) for _, _, solver, g in work], dim=1)
+        return torch.cat([self.projector.project_matrices(layer, i, solver.whiten(g)) for i, layer, solver, g in work], dim=1)
+
+    def gradient_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.projector is None:
+            return super().gradient_features(x, y)
+        self._require_fitted()
+        return torch.cat([self._projected(work, precondition=False) for work in self._work(x, y)])
+
+    def influence_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.projector is None:
+            return super().influence_factors(x, y)
+        self._require_fitted()
+        return torch.cat([self._projected(work, precondition=True) for work in self._work(x, y)])
+
+    def scores_and_self_influences(self, factors: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One capture per batch gives both the projected features and the self-influences."""
+        if self.projector is None:
+            return super().scores_and_self_influences(factors, x, y)
+        self._require_fitted()
+        features, self_inf = [], []
+        for work in self._work(x, y):
+            features.append(self._projected(work, precondition=False))
+            self_inf.append(sum(solver.quadratic(g) for _, _, solver, g in work))
+        feats = torch.cat(features)
+        return (None if factors is None else factors @ feats.T), torch.cat(self_inf)
+
+
+def factor_bases(values: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvectors of A = Σ a aᵀ / n and S = Σ g gᵀ / positions, in float64."""
+    _, q_a = torch.linalg.eigh(values["a"] / values["examples"])
+    _, q_s = torch.linalg.eigh(values["s"] / values["positions"])
+    return q_a, q_s
+
+
+def kfac_eigenvalues(values: dict[str, Any]) -> torch.Tensor:
+    """λ_S ⊗ λ_A with A = E[Σ_t a aᵀ], S = E[Σ_t g gᵀ]/T: the Kronecker product's eigenvalues."""
+    lam_a = torch.linalg.eigvalsh(values["a"] / values["examples"]).clamp_min(0)
+    lam_s = torch.linalg.eigvalsh(values["s"] / values["positions"]).clamp_min(0)
+    return torch.outer(lam_s, lam_a)
+
+
+class EkfacInfluence(KfacInfluence):
+    """K-FAC's eigenbasis with eigenvalues fitted to the gradients' actual second moments (Kronfluence's default)."""
+
+    name = "ekfac"
+    eigen_correction = True
