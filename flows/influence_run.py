@@ -53,7 +53,7 @@ def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     data = run(prepare_data, spec=params.dataset, store=store)
     check_top_k(params.aggregate, data.n_train)
     model = run(fit_model, spec=params.model, training=params.training, data=data, store=store)
-    curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store)
+    curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
     factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store)
     scores = run(compute_influences, compute=params.compute, method=params.method, model=model, data=data, curvature=curvature, factors=factors, store=store)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)

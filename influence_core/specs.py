@@ -15,13 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from torch import nn
 
 from .losses import LossName
+from .projection import Projection
 from .methods import (
     ArnoldiInfluence,
     CgInfluence,
     DataInfInfluence,
     DirectInfluence,
+    EkfacInfluence,
     IdentityInfluence,
     InfluenceFunctionModel,
+    KfacInfluence,
     LissaInfluence,
     NystroemSketchInfluence,
 )
@@ -121,13 +124,31 @@ class TrainingSpec(Spec):
 
 
 # -- curvature methods ---------------------------------------------------------------------------------
+class ProjectionSpec(Spec):
+    kind: Literal["gaussian", "rademacher", "logra"] = Field("logra", title="Projection", description="gaussian or rademacher: seeded random projection of each layer's gradient, built in blocks; logra: Kronecker-structured (Φ_out ⊗ Φ_in), never materialises per-example gradients.")
+    dim: int = Field(256, ge=1, title="Dimension per layer", description="Coordinates each tracked layer is projected to (logra: a square, k×k).")
+    seed: int = Field(0, title="Seed", description="Seed of the projection matrices.")
+    block_mb: float = Field(256.0, gt=0, title="Block budget (MB)", description="Largest block of a random projection matrix ever built.")
+
+    def build(self) -> Projection:
+        return Projection(self.kind, self.dim, self.seed, self.block_mb)
+
+
 class MethodBase(Spec):
     batch_size: int = Field(256, ge=1, title="Batch size", description="Examples per vectorised gradient or curvature product; bounds memory.")
+    modules: list[str] | None = Field(None, title="Modules", description="Restrict influence to these modules' parameters (names as in model.named_modules(), e.g. the last layers); empty: all.")
 
     def build(self, model: nn.Module, loss: str) -> InfluenceFunctionModel:
         """The influence model for these settings, not yet fitted."""
-        options = self.model_dump(exclude={"name"})
+        options = self.model_dump(exclude={"name", "projection"})
+        projection = getattr(self, "projection", None)
+        if projection is not None:
+            options["projection"] = projection.build()
         return METHOD_CLASSES[self.name](model, loss, **options)  # type: ignore[attr-defined]
+
+
+class Projected(Spec):
+    projection: ProjectionSpec | None = Field(None, title="Gradient projection", description="Compress gradients to a few coordinates per layer (TRAK, LoGra); the curvature is then taken in the projected space.")
 
 
 class CurvatureMethod(MethodBase):
@@ -138,11 +159,11 @@ class CurvatureMethod(MethodBase):
     block_structure: Literal["full", "layer_wise"] = Field("full", title="Blocks", description="full: the whole curvature; layer_wise: block-diagonal, one block per layer.")
 
 
-class DirectMethod(CurvatureMethod):
-    name: Literal["direct"] = Field("direct", title="Method", description="Explicit curvature and Cholesky solve: exact, for up to a few thousand parameters.")
+class DirectMethod(CurvatureMethod, Projected):
+    name: Literal["direct"] = Field("direct", title="Method", description="Explicit curvature and Cholesky solve: exact, for up to a few thousand parameters; with a projection, TRAK's (XᵀX/n + λI)⁻¹ in the projected space.")
 
 
-class CgMethod(CurvatureMethod):
+class CgMethod(CurvatureMethod, Projected):
     name: Literal["cg"] = Field("cg", title="Method", description="Conjugate gradients on matrix-free curvature products.")
     rtol: float = Field(1e-6, gt=0, lt=1, title="Relative tolerance", description="Stop each system when its residual falls below rtol·|b|.")
     maxiter: int | None = Field(None, ge=1, title="Max iterations", description="Iteration cap per solve (empty: 10·p).")
@@ -163,26 +184,37 @@ class LissaMethod(CurvatureMethod):
     seed: int = Field(0, title="Seed", description="Seed of the batch sampling.")
 
 
-class ArnoldiMethod(CurvatureMethod):
+class ArnoldiMethod(CurvatureMethod, Projected):
     name: Literal["arnoldi"] = Field("arnoldi", title="Method", description="Top eigenbasis of the curvature by Arnoldi/Lanczos; scores in rank-r space.")
     rank: int = Field(10, ge=1, title="Rank", description="Eigenpairs kept (at most p).")
     krylov_dim: int | None = Field(None, ge=1, title="Krylov dimension", description="Size of the Krylov space (≥ rank; empty: 2·rank).")
     seed: int = Field(0, title="Seed", description="Seed of the starting vector.")
 
 
-class NystroemMethod(CurvatureMethod):
+class NystroemMethod(CurvatureMethod, Projected):
     name: Literal["nystroem"] = Field("nystroem", title="Method", description="Randomised Nyström sketch of the curvature, λ on the complement.")
     rank: int = Field(10, ge=1, title="Rank", description="Sketch size (at most p).")
     seed: int = Field(0, title="Seed", description="Seed of the sketch.")
 
 
-class DataInfMethod(CurvatureMethod):
+class DataInfMethod(CurvatureMethod, Projected):
     name: Literal["datainf"] = Field("datainf", title="Method", description="DataInf: closed-form per-layer inverse of the empirical Fisher.")
     block_structure: Literal["full", "layer_wise"] = Field("layer_wise", title="Blocks", description="DataInf is meant per layer.")
 
 
-class IdentityMethod(MethodBase):
+class IdentityMethod(MethodBase, Projected):
     name: Literal["identity"] = Field("identity", title="Method", description="Gradient dot product: no curvature.")
+
+
+class KfacMethod(MethodBase, Projected):
+    name: Literal["kfac"] = Field("kfac", title="Method", description="K-FAC: Kronecker-factored Gauss-Newton per Linear/Conv2d layer.")
+    regularization: Union[Annotated[float, Field(ge=0)], dict[str, Annotated[float, Field(ge=0)]]] = Field(1e-3, title="λ (damping)", description="Added to each layer's curvature; a number or one per layer (dict keyed by module name).")
+    fisher: Literal["sampled", "exact"] | None = Field(None, title="Fisher", description="sampled: labels drawn from the model (seeded), the default for cross_entropy; exact: one backward pass per output, the default otherwise.")
+    seed: int = Field(0, title="Seed", description="Seed of the sampled labels.")
+
+
+class EkfacMethod(KfacMethod):
+    name: Literal["ekfac"] = Field("ekfac", title="Method", description="EK-FAC: K-FAC's eigenbasis with corrected eigenvalues (Kronfluence's default); with projection, LoGra-style.")
 
 
 METHOD_CLASSES: dict[str, type[InfluenceFunctionModel]] = {
@@ -193,10 +225,12 @@ METHOD_CLASSES: dict[str, type[InfluenceFunctionModel]] = {
     "nystroem": NystroemSketchInfluence,
     "datainf": DataInfInfluence,
     "identity": IdentityInfluence,
+    "kfac": KfacInfluence,
+    "ekfac": EkfacInfluence,
 }
 
 MethodSpec = Annotated[
-    Union[DirectMethod, CgMethod, LissaMethod, ArnoldiMethod, NystroemMethod, DataInfMethod, IdentityMethod],
+    Union[DirectMethod, CgMethod, LissaMethod, ArnoldiMethod, NystroemMethod, DataInfMethod, IdentityMethod, KfacMethod, EkfacMethod],
     Field(discriminator="name"),
 ]
 

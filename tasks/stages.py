@@ -29,9 +29,9 @@ def fit_model(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: Run
 
 
 @task(name="fit_preconditioner", cache_policy=StagePolicy(planner=preconditioner.plan), **STAGE_OPTIONS)
-def fit_preconditioner(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore) -> StageRef:
-    """Fit the curvature state of the chosen method and store it."""
-    return preconditioner.run(method, model, data, store)
+def fit_preconditioner(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec) -> StageRef:
+    """Fit the curvature state of the chosen method and store it (K-FAC factor passes run on the cluster)."""
+    return preconditioner.run(method, model, data, store, compute, client_factory=lambda: dask_client(compute, METHOD_CLASSES[method.name].thread_safe))
 
 
 @task(name="compute_test_factors", cache_policy=StagePolicy(planner=factor_stage.plan), **STAGE_OPTIONS)

@@ -100,6 +100,11 @@ class InfluenceFunctionModel(ABC):
         self.solvers: dict[str, BlockSolver] = {}
         self._fitted = False
 
+    @property
+    def feature_dim(self) -> int:
+        """Size of the space curvature is taken in: p, or the projected dimension."""
+        return max(sl.stop for sl in self.blocks.values())
+
     @abstractmethod
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         """The solver of one block."""

@@ -159,13 +159,28 @@ class KfacInfluence(InfluenceFunctionModel):
         self.install(self.fit_factors(self.train))
         return self
 
-    def fit_factors(self, batches: Batches, offset: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    def fit_factors(self, batches: Batches) -> dict[str, dict[str, torch.Tensor]]:
         """Eigenbases and eigenvalues per layer from the training batches (the state `install` takes)."""
-        compress = self.projector.compress if isinstance(self.projector, KroneckerProjector) else None
-        sums = covariance_sums(self.objective, self.layers, batches, self.fisher, self.seed, offset, compress)
+        sums = self.covariance_sums(batches)
         bases = {name: factor_bases(values) for name, values in sums.items()}
-        if self.eigen_correction:
-            corrected = correction_sums(self.objective, self.layers, bases, batches, self.fisher, self.seed, offset, compress)
+        corrected = self.correction_sums(batches, bases) if self.eigen_correction else None
+        return self.factor_state(sums, bases, corrected)
+
+    # The three steps of fit_factors, for running the passes on chunks (e.g. as Dask tasks) and adding them up.
+    def _compress(self) -> Compress | None:
+        return self.projector.compress if isinstance(self.projector, KroneckerProjector) else None
+
+    def covariance_sums(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], offset: int = 0) -> Sums:
+        """Pass 1 over examples offset, offset+1, ...: Σ a aᵀ, Σ g gᵀ and counts per layer."""
+        return covariance_sums(self.objective, self.layers, batches, self.fisher, self.seed, offset, self._compress())
+
+    def correction_sums(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], bases: dict[str, tuple[torch.Tensor, torch.Tensor]], offset: int = 0) -> Sums:
+        """Pass 2 (EK-FAC): Σ (Q_Sᵀ G Q_A)² per layer."""
+        return correction_sums(self.objective, self.layers, bases, batches, self.fisher, self.seed, offset, self._compress())
+
+    def factor_state(self, sums: Sums, bases: dict[str, tuple[torch.Tensor, torch.Tensor]], corrected: Sums | None) -> dict[str, dict[str, torch.Tensor]]:
+        """The per-block state from summed passes."""
+        if corrected is not None:
             eigenvalues = {name: corrected[name]["lambda"] / sums[name]["examples"] for name in sums}
         else:
             eigenvalues = {name: kfac_eigenvalues(values) for name, values in sums.items()}

@@ -84,7 +84,7 @@ class ArnoldiInfluence(InfluenceFunctionModel):
 
     def __init__(self, *args, rank: int = 10, krylov_dim: int | None = None, seed: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.rank, self.krylov_dim, self.seed = check_rank(rank, self.objective.space.dim), krylov_dim, seed
+        self.rank, self.krylov_dim, self.seed = check_rank(rank, self.feature_dim), krylov_dim, seed
         if krylov_dim is not None and krylov_dim < rank:
             raise ConfigError("method.krylov_dim", f"krylov_dim={krylov_dim} is below rank={rank}", "use krylov_dim >= rank (about 2·rank is usual)")
 
@@ -100,7 +100,7 @@ class NystroemSketchInfluence(InfluenceFunctionModel):
 
     def __init__(self, *args, rank: int = 10, seed: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.rank, self.seed = check_rank(rank, self.objective.space.dim), seed
+        self.rank, self.seed = check_rank(rank, self.feature_dim), seed
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return NystroemSolver(curvature, lam, self.rank, self.seed)

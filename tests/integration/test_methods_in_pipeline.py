@@ -18,12 +18,17 @@ METHODS = {
     "nystroem": {"name": "nystroem", "regularization": 1e-2, "rank": 12, "block_structure": "layer_wise"},
     "datainf": {"name": "datainf", "regularization": {"1": 0.1, "3": 0.05}},
     "identity": {"name": "identity"},
+    "kfac": {"name": "kfac", "regularization": 1e-2, "fisher": "exact"},
+    "ekfac+logra": {"name": "ekfac", "regularization": 1e-2, "projection": {"kind": "logra", "dim": 16}},
+    "trak": {"name": "direct", "regularization": 1e-2, "projection": {"kind": "gaussian", "dim": 32, "block_mb": 0.01}},
+    "cg on the last layer": {"name": "cg", "regularization": 1e-2, "rtol": 1e-8, "modules": ["3"]},
 }
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_method_through_pipeline_equals_library(tmp_path, method):
-    params = small_params(str(tmp_path / method), method=METHODS[method])
+def test_method_through_pipeline_equals_library(tmp_path, method, dask_address):
+    compute = {"cluster": "address", "address": dask_address, "train_chunk_rows": 64} if method.startswith("ekfac") else {"cluster": "sequential", "train_chunk_rows": 64}
+    params = small_params(str(tmp_path / method.replace(" ", "_")), method=METHODS[method], compute=compute)
     influence_run(params)
     store = params.store()
     group, arrays = read_outputs(store)
