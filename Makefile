@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast quality bench-scaling serve clean
+.PHONY: install demo test test-fast quality bench-scaling bench-big serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,17 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"
 
+serve: $(STAMP)
+	infra/serve.sh
+
 quality: $(STAMP)
 	$(BIN)/python benchmarks/quality.py
+
+bench-scaling: $(STAMP)
+	$(BIN)/python benchmarks/scaling.py
+
+bench-big: $(STAMP)
+	$(BIN)/python benchmarks/big_model.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -11,8 +11,11 @@ from prefect.tasks import Task
 
 from influence_core.pipeline import publish
 from influence_core.pipeline.aggregation import check_top_k
+from influence_core.pipeline.stage import producer
+from influence_core.pipeline.store import RunStore
 from influence_core.refs import StageRef
 from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data
+from tasks.policy import result_storage
 from tasks.publish import publish_run
 
 from .parameters import RunParameters
@@ -23,7 +26,8 @@ R = TypeVar("R", bound=StageRef)
 class StageRunner:
     """Calls stage tasks, bypassing Prefect's cache when the store no longer holds the output, and records outcomes."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: RunStore) -> None:
+        self.storage = result_storage(store)
         self.started = datetime.now(timezone.utc)
         self.refs: dict[str, StageRef] = {}
         self.outcomes: dict[str, dict[str, Any]] = {}
@@ -31,12 +35,13 @@ class StageRunner:
     def __call__(self, stage: Task[..., R], **inputs: Any) -> R:
         present = stage.cache_policy.planner(**inputs).existing() is not None  # type: ignore[union-attr]
         wall = time.perf_counter()
-        state = stage.with_options(refresh_cache=not present)(**inputs, return_state=True)
+        state = stage.with_options(refresh_cache=not present, result_storage=self.storage)(**inputs, return_state=True)
         ref: R = state.result()
         if state.name == "Cached":
             outcome = "cached"
         else:
-            outcome = "computed" if ref.created_at >= self.started else "found complete"
+            mine = ref.producer == producer() and ref.created_at >= self.started  # not a concurrent run's work
+            outcome = "computed" if mine else "found complete"
         self.refs[stage.name] = ref
         work = ref.model_dump(include={"n_chunks", "chunks_computed", "gradient_rows"})  # what scoring did, where it applies
         self.outcomes[stage.name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
@@ -49,7 +54,7 @@ def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     store = params.store()
     store.check()
     publish.mark_running(store)
-    run = StageRunner()
+    run = StageRunner(store)
     data = run(prepare_data, spec=params.dataset, store=store)
     check_top_k(params.aggregate, data.n_train)
     model = run(fit_model, spec=params.model, training=params.training, data=data, store=store)

@@ -41,7 +41,7 @@ class ArrayBatches:
 
     def __init__(self, x: Any, y: Any, batch_size: int, start: int = 0, stop: int | None = None) -> None:
         self.x, self.y, self.batch_size = x, y, max(1, int(batch_size))
-        self.start, self.stop = start, (y.shape[0] if stop is None else stop)
+        self.start, self.stop = start, min(y.shape[0], y.shape[0] if stop is None else stop)
 
     def __iter__(self) -> Iterator[Batch]:
         for lo in range(self.start, self.stop, self.batch_size):
@@ -50,6 +50,10 @@ class ArrayBatches:
 
     def __len__(self) -> int:
         return self.stop - self.start
+
+    def first(self) -> Batch:
+        """The first batch alone (e.g. one block of rows)."""
+        return next(iter(self))
 
 
 def as_batches(data: Data, batch_size: int) -> Batches:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import storage
-from .batches import TensorBatches
+from .batches import ArrayBatches
 from .errors import ConfigError
 from .losses import resolve_loss
 from .objective import Objective
@@ -37,24 +37,38 @@ def check_model_fits(model: nn.Module, spec: ModelSpec, x: Any, y: Any) -> None:
     Objective(model, spec.loss).check_outputs(torch.from_numpy(np.asarray(x[:64])), torch.from_numpy(np.asarray(y[:])))
 
 
+SHUFFLE_BLOCK_ROWS = 65536  # the training set is read block by block: memory stays flat as it grows
+
+
 def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any) -> float:
-    """Fit with Adam and L2 weight decay, batch order seeded; returns the final mean training loss."""
+    """Fit with Adam and L2 weight decay; returns the final mean training loss.
+
+    Each epoch visits blocks of rows in a seeded random order and shuffles within each block, so only one block is
+    in memory at a time (a full shuffle for data of up to SHUFFLE_BLOCK_ROWS rows).
+    """
     loss_fn = resolve_loss(spec.loss)
     objective = Objective(model, spec.loss)
     optimiser = torch.optim.Adam(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
     generator = torch.Generator().manual_seed(training.seed)
-    xs, ys = objective.to_model(torch.from_numpy(np.asarray(x[:])), torch.from_numpy(np.asarray(y[:])))
+    blocks = ArrayBatches(x, y, SHUFFLE_BLOCK_ROWS)
+    starts = list(range(0, len(blocks), SHUFFLE_BLOCK_ROWS))
     model.train()
     for _ in range(training.epochs):
-        order = torch.randperm(len(ys), generator=generator)
-        for start in range(0, len(ys), training.batch_size):
-            idx = order[start : start + training.batch_size]
-            optimiser.zero_grad()
-            loss_fn(model(xs[idx]), ys[idx]).backward()
-            optimiser.step()
+        for b in torch.randperm(len(starts), generator=generator).tolist():
+            xs, ys = objective.to_model(*ArrayBatches(x, y, SHUFFLE_BLOCK_ROWS, starts[b], starts[b] + SHUFFLE_BLOCK_ROWS).first())
+            order = torch.randperm(len(ys), generator=generator)
+            for start in range(0, len(ys), training.batch_size):
+                idx = order[start : start + training.batch_size]
+                optimiser.zero_grad()
+                loss_fn(model(xs[idx]), ys[idx]).backward()
+                optimiser.step()
     model.eval()
+    total = 0.0
     with torch.no_grad():
-        return float(sum(loss_fn(model(xb), yb) * len(yb) for xb, yb in TensorBatches(xs, ys, 4096)) / len(ys))
+        for xb, yb in blocks:
+            xb, yb = objective.to_model(xb, yb)
+            total += float(loss_fn(model(xb), yb)) * len(yb)
+    return total / len(blocks)
 
 
 def state_bytes(model: nn.Module) -> bytes:

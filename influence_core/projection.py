@@ -95,17 +95,9 @@ class KroneckerProjector(Projector):
         return self._factors[index]
 
     def project_capture(self, layer: TrackedLayer, index: int, cap: Capture) -> torch.Tensor:
-        small = self.compress(cap)
-        return small.gradient(layer.name).reshape(len(small.a[layer.name]), -1)
-
-    def compress(self, cap: Capture) -> Capture:
-        """The capture of the projected "virtual layers": inputs Φ_in a and output gradients Φ_out g."""
-        a, g = {}, {}
-        for index, layer in enumerate(self.layers):
-            phi_out, phi_in = self.factors(layer, index, cap.a[layer.name])
-            a[layer.name] = cap.a[layer.name] @ phi_in.T
-            g[layer.name] = [grad @ phi_out.T for grad in cap.g[layer.name]]
-        return Capture(a, g)
+        a, g = cap.a[layer.name], cap.g[layer.name][0]
+        phi_out, phi_in = self.factors(layer, index, a)
+        return torch.einsum("bto,bti->boi", g @ phi_out.T, a @ phi_in.T).reshape(a.shape[0], -1)
 
     def project_matrices(self, layer: TrackedLayer, index: int, matrices: torch.Tensor) -> torch.Tensor:
         phi_out, phi_in = self.factors(layer, index, matrices)

@@ -19,11 +19,12 @@ class Ref(BaseModel):
 
 
 class StageRef(Ref):
-    """A stage output plus when it was made and how long that took."""
+    """A stage output plus when it was made, by which process, and how long that took."""
 
     stage: str
     created_at: datetime
     seconds: float
+    producer: str  # host:pid of the process that computed it
 
 
 class DataRef(StageRef):

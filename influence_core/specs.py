@@ -125,6 +125,8 @@ class TrainingSpec(Spec):
 
 # -- curvature methods ---------------------------------------------------------------------------------
 class ProjectionSpec(Spec):
+    model_config = ConfigDict(title="Projection")
+
     kind: Literal["gaussian", "rademacher", "logra"] = Field("logra", title="Projection", description="gaussian or rademacher: seeded random projection of each layer's gradient, built in blocks; logra: Kronecker-structured (Φ_out ⊗ Φ_in), never materialises per-example gradients.")
     dim: int = Field(256, ge=1, title="Dimension per layer", description="Coordinates each tracked layer is projected to (logra: a square, k×k).")
     seed: int = Field(0, title="Seed", description="Seed of the projection matrices.")
@@ -151,19 +153,26 @@ class Projected(Spec):
     projection: ProjectionSpec | None = Field(None, title="Gradient projection", description="Compress gradients to a few coordinates per layer (TRAK, LoGra); the curvature is then taken in the projected space.")
 
 
-class CurvatureMethod(MethodBase):
+class Damped(Spec):
     regularization: Union[Annotated[float, Field(ge=0)], dict[str, Annotated[float, Field(ge=0)]]] = Field(
         1e-3, title="λ (damping)", description="Added to the curvature: scores use (C + λI)⁻¹. A number, or one per layer (a dict keyed by module name) with block_structure=layer_wise."
     )
+
+
+class CurvatureMethod(MethodBase, Damped):
     second_order_mode: Literal["hessian", "gauss_newton"] = Field("gauss_newton", title="Curvature", description="hessian: exact Hessian of the mean loss; gauss_newton: its positive semi-definite Gauss-Newton part.")
     block_structure: Literal["full", "layer_wise"] = Field("full", title="Blocks", description="full: the whole curvature; layer_wise: block-diagonal, one block per layer.")
 
 
 class DirectMethod(CurvatureMethod, Projected):
+    model_config = ConfigDict(title="Direct (exact; TRAK with a projection)")
+
     name: Literal["direct"] = Field("direct", title="Method", description="Explicit curvature and Cholesky solve: exact, for up to a few thousand parameters; with a projection, TRAK's (XᵀX/n + λI)⁻¹ in the projected space.")
 
 
 class CgMethod(CurvatureMethod, Projected):
+    model_config = ConfigDict(title="Conjugate gradients")
+
     name: Literal["cg"] = Field("cg", title="Method", description="Conjugate gradients on matrix-free curvature products.")
     rtol: float = Field(1e-6, gt=0, lt=1, title="Relative tolerance", description="Stop each system when its residual falls below rtol·|b|.")
     maxiter: int | None = Field(None, ge=1, title="Max iterations", description="Iteration cap per solve (empty: 10·p).")
@@ -174,6 +183,8 @@ class CgMethod(CurvatureMethod, Projected):
 
 
 class LissaMethod(CurvatureMethod):
+    model_config = ConfigDict(title="LiSSA")
+
     name: Literal["lissa"] = Field("lissa", title="Method", description="LiSSA: stochastic Neumann series (FastIF's J, T, B knobs).")
     depth: int = Field(1000, ge=1, title="Recursion depth J", description="Steps of the recursion per repeat.")
     repeats: int = Field(1, ge=1, title="Repeats T", description="Independent recursions averaged.")
@@ -185,6 +196,8 @@ class LissaMethod(CurvatureMethod):
 
 
 class ArnoldiMethod(CurvatureMethod, Projected):
+    model_config = ConfigDict(title="Arnoldi")
+
     name: Literal["arnoldi"] = Field("arnoldi", title="Method", description="Top eigenbasis of the curvature by Arnoldi/Lanczos; scores in rank-r space.")
     rank: int = Field(10, ge=1, title="Rank", description="Eigenpairs kept (at most p).")
     krylov_dim: int | None = Field(None, ge=1, title="Krylov dimension", description="Size of the Krylov space (≥ rank; empty: 2·rank).")
@@ -192,28 +205,37 @@ class ArnoldiMethod(CurvatureMethod, Projected):
 
 
 class NystroemMethod(CurvatureMethod, Projected):
+    model_config = ConfigDict(title="Nyström sketch")
+
     name: Literal["nystroem"] = Field("nystroem", title="Method", description="Randomised Nyström sketch of the curvature, λ on the complement.")
     rank: int = Field(10, ge=1, title="Rank", description="Sketch size (at most p).")
     seed: int = Field(0, title="Seed", description="Seed of the sketch.")
 
 
 class DataInfMethod(CurvatureMethod, Projected):
+    model_config = ConfigDict(title="DataInf")
+
     name: Literal["datainf"] = Field("datainf", title="Method", description="DataInf: closed-form per-layer inverse of the empirical Fisher.")
     block_structure: Literal["full", "layer_wise"] = Field("layer_wise", title="Blocks", description="DataInf is meant per layer.")
 
 
 class IdentityMethod(MethodBase, Projected):
+    model_config = ConfigDict(title="Gradient dot product")
+
     name: Literal["identity"] = Field("identity", title="Method", description="Gradient dot product: no curvature.")
 
 
-class KfacMethod(MethodBase, Projected):
-    name: Literal["kfac"] = Field("kfac", title="Method", description="K-FAC: Kronecker-factored Gauss-Newton per Linear/Conv2d layer.")
-    regularization: Union[Annotated[float, Field(ge=0)], dict[str, Annotated[float, Field(ge=0)]]] = Field(1e-3, title="λ (damping)", description="Added to each layer's curvature; a number or one per layer (dict keyed by module name).")
+class KfacMethod(MethodBase, Damped, Projected):
+    model_config = ConfigDict(title="K-FAC")
+
+    name: Literal["kfac"] = Field("kfac", title="Method", description="K-FAC: Kronecker-factored Gauss-Newton per Linear/Conv2d layer (always layer-wise).")
     fisher: Literal["sampled", "exact"] | None = Field(None, title="Fisher", description="sampled: labels drawn from the model (seeded), the default for cross_entropy; exact: one backward pass per output, the default otherwise.")
     seed: int = Field(0, title="Seed", description="Seed of the sampled labels.")
 
 
 class EkfacMethod(KfacMethod):
+    model_config = ConfigDict(title="EK-FAC")
+
     name: Literal["ekfac"] = Field("ekfac", title="Method", description="EK-FAC: K-FAC's eigenbasis with corrected eigenvalues (Kronfluence's default); with projection, LoGra-style.")
 
 
@@ -229,9 +251,22 @@ METHOD_CLASSES: dict[str, type[InfluenceFunctionModel]] = {
     "ekfac": EkfacInfluence,
 }
 
+class _AnyOfSchema:
+    """Render a tagged union as `anyOf` in JSON schema: Prefect's form offers a choice among `anyOf` variants
+    (it shows nothing for `oneOf`), while validation still dispatches on `name` and reports errors per field."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        schema = handler(core_schema)
+        if "oneOf" in schema:
+            schema["anyOf"] = schema.pop("oneOf")
+            schema.pop("discriminator", None)
+        return schema
+
+
 MethodSpec = Annotated[
     Union[DirectMethod, CgMethod, LissaMethod, ArnoldiMethod, NystroemMethod, DataInfMethod, IdentityMethod, KfacMethod, EkfacMethod],
     Field(discriminator="name"),
+    _AnyOfSchema(),
 ]
 
 

@@ -5,13 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+import psutil
+
 from prefect import Task
 from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
+from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
+from prefect.locking.filesystem import FileSystemLockManager
+from prefect.settings import PREFECT_HOME
 
-from influence_core import ConfigError, NumericalError
+from influence_core import ConfigError, NumericalError, storage
 from influence_core.pipeline.stage import StageCall
+from influence_core.pipeline.store import RunStore
 
 
 @dataclass
@@ -27,6 +39,50 @@ class StagePolicy(CachePolicy):
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> Optional[str]:
         assert self.planner is not None
         return self.planner(**inputs).key
+
+
+class CrashSafeLockManager(FileSystemLockManager):
+    """File locks that a killed process cannot keep: each lock file also records the host and pid that took it,
+    and a lock whose process on this host no longer exists is broken, so a run resumed after SIGKILL does not wait
+    forever for its dead predecessor. (Prefect's holders are opaque ids, so the pid is added here.)"""
+
+    def acquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None, hold_timeout: Optional[float] = None) -> bool:
+        acquired = super().acquire_lock(key, holder, acquire_timeout, hold_timeout)
+        if acquired:
+            path = self._lock_path_for_key(key)
+            record = json.loads(path.read_bytes())
+            path.write_text(json.dumps({**record, "host": socket.gethostname(), "pid": os.getpid()}))
+        return acquired
+
+    def is_locked(self, key: str, use_cache: bool = False) -> bool:
+        path = self._lock_path_for_key(key)
+        try:
+            record = json.loads(path.read_bytes())
+        except (FileNotFoundError, ValueError):
+            record = {}
+        if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int) and not psutil.pid_exists(record["pid"]):
+            path.unlink(missing_ok=True)
+            self._locks.pop(key, None)
+            return False
+        return super().is_locked(key, use_cache)
+
+
+def stage_policy(planner: Callable[..., StageCall[Any]]) -> CachePolicy:
+    """A stage's cache policy with SERIALIZABLE isolation: of two runs that need the same stage at once, one
+    computes it while the other waits on the lock, then finds the output complete. Locks are files under
+    $INFLUENCE_LOCK_DIR (default: PREFECT_HOME/locks), shared by every run on one host; across hosts, configure
+    a shared lock manager such as prefect-redis's."""
+    lock_dir = Path(os.environ.get("INFLUENCE_LOCK_DIR") or Path(PREFECT_HOME.value()) / "locks")
+    return StagePolicy(planner=planner).configure(isolation_level="SERIALIZABLE", lock_manager=CrashSafeLockManager(lock_dir))
+
+
+def result_storage(store: RunStore) -> WritableFileSystem:
+    """Prefect results go beside the stage outputs, in the run's store, so any worker on any machine that shares
+    the store finds a cached stage. S3 credentials stay in the environment; only the endpoint travels."""
+    url = storage.join(store.cache_url, "prefect-results")
+    block: WritableFileSystem = RemoteFileSystem(basepath=url, settings=store.options) if storage.is_remote(url) else LocalFileSystem(basepath=url)
+    block.save(f"influence-results-{hashlib.sha256(url.encode()).hexdigest()[:16]}", overwrite=True)  # Prefect needs it server-side
+    return block
 
 
 def is_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:

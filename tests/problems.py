@@ -49,6 +49,17 @@ def minimise(model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tensor, weig
     return float(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm())
 
 
+def fit_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, weight_decay: float = 1e-2, adam_steps: int = 300) -> nn.Module:
+    """Adam from the initialisation into a good basin, then L-BFGS to a tight optimum of the penalised objective."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(adam_steps):
+        opt.zero_grad()
+        objective(model, "cross_entropy", x, y, weight_decay).backward()
+        opt.step()
+    minimise(model, "cross_entropy", x, y, weight_decay)
+    return model
+
+
 def digits(n_train: int, n_test: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     x, y = load_digits(return_X_y=True)
     order = np.random.default_rng(seed).permutation(len(y))
@@ -76,13 +87,7 @@ def logistic_regression(n_train: int = 300, n_test: int = 20, weight_decay: floa
 def mlp(n_train: int = 300, n_test: int = 20, hidden: int = 8, weight_decay: float = 1e-2) -> Problem:
     x, y, xt, yt = digits(n_train, n_test)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10)).double()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(300):
-        opt.zero_grad()
-        objective(model, "cross_entropy", x, y, weight_decay).backward()
-        opt.step()
-    minimise(model, "cross_entropy", x, y, weight_decay)
+    model = fit_classifier(nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10)).double(), x, y, weight_decay)
     return Problem("MLP (digits)", model, "cross_entropy", x, y, xt, yt, weight_decay)
 
 

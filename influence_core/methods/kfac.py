@@ -8,7 +8,7 @@ The factor sums are streamed batch by batch and add up, so they can be computed 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -21,27 +21,38 @@ from ..layers import Capture, FisherKind, TrackedLayer, capture, select_layers
 from ..losses import LOSSES, LossFn
 from ..noise import ExampleNoise
 from ..objective import Objective
-from ..projection import KroneckerProjector, Projection
+from ..projection import Projection
 from .base import BlockSolver, InfluenceFunctionModel
 
 Sums = dict[str, dict[str, torch.Tensor]]
-Compress = Callable[[Capture], Capture]
+ROW_BUDGET_BYTES = 256 * 2**20  # per-example gradient matrices are formed this many bytes at a time
 
 
-def _fisher_captures(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int, compress: Compress | None) -> Iterator[tuple[torch.Tensor, Capture]]:
-    """Fisher pseudo-gradient captures batch by batch (compressed to LoGra's virtual layers when asked)."""
+def row_slices(n: int, layer: TrackedLayer, itemsize: int) -> list[slice]:
+    """Row ranges whose (rows, out, in) gradient matrices stay within the budget."""
+    step = max(1, ROW_BUDGET_BYTES // (layer.out_dim * layer.in_dim * itemsize))
+    return [slice(lo, lo + step) for lo in range(0, n, step)]
+
+
+def eigen_gradients(a: torch.Tensor, g: torch.Tensor, q_a: torch.Tensor, q_s: torch.Tensor) -> torch.Tensor:
+    """Per-example gradients in the Kronecker eigenbasis, Q_Sᵀ (Σ_t g_t a_tᵀ) Q_A, from the rotated captures:
+    O(T·(out² + in² + out·in)) per example instead of rotating a formed (out × in) matrix."""
+    return torch.einsum("bto,bti->boi", g @ q_s.to(g.dtype), a @ q_a.to(a.dtype))
+
+
+def _fisher_captures(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int) -> Iterator[tuple[torch.Tensor, Capture]]:
+    """Fisher pseudo-gradient captures batch by batch, the noise tied to example indices offset, offset+1, ..."""
     noise = ExampleNoise(seed)
     for x, y in batches:
         x, y = objective.to_model(x, y)
-        cap = capture(objective.model, layers, objective.loss_fn, x, y, fisher, noise, offset)
-        yield x, (compress(cap) if compress else cap)
+        yield x, capture(objective.model, layers, objective.loss_fn, x, y, fisher, noise, offset)
         offset += len(x)
 
 
-def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0, compress: Compress | None = None) -> Sums:
+def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0) -> Sums:
     """Σ over examples of Σ_t a aᵀ and Σ_t g gᵀ per layer, plus counts; sums from disjoint chunks add up."""
     sums: Sums = {layer.name: {} for layer in layers}
-    for x, cap in _fisher_captures(objective, layers, batches, fisher, seed, offset, compress):
+    for x, cap in _fisher_captures(objective, layers, batches, fisher, seed, offset):
         for layer in layers:
             a = cap.a[layer.name].to(torch.float64)
             _add(sums[layer.name], "a", torch.einsum("bti,btj->ij", a, a))
@@ -53,15 +64,21 @@ def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: I
     return sums
 
 
-def correction_sums(objective: Objective, layers: list[TrackedLayer], bases: dict[str, tuple[torch.Tensor, torch.Tensor]], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0, compress: Compress | None = None) -> Sums:
+def correction_sums(objective: Objective, layers: list[TrackedLayer], bases: dict[str, tuple[torch.Tensor, torch.Tensor]], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0) -> Sums:
     """Σ over examples of (Q_Sᵀ G Q_A)², the gradient's second moment in the Kronecker eigenbasis (EK-FAC)."""
     sums: Sums = {layer.name: {} for layer in layers}
-    for x, cap in _fisher_captures(objective, layers, batches, fisher, seed, offset, compress):
+    for x, cap in _fisher_captures(objective, layers, batches, fisher, seed, offset):
         for layer in layers:
             q_a, q_s = bases[layer.name]
-            for column in range(len(cap.g[layer.name])):
-                rotated = q_s.T.to(x.dtype) @ cap.gradient(layer.name, column) @ q_a.to(x.dtype)
-                _add(sums[layer.name], "lambda", (rotated.to(torch.float64) ** 2).sum(0))
+            a = cap.a[layer.name]
+            for g in cap.g[layer.name]:
+                if a.shape[1] == 1:  # one position: Q_Sᵀ g aᵀ Q_A = u vᵀ, so Σ (u vᵀ)² = (u²)ᵀ (v²), one GEMM
+                    u, v = (g[:, 0] @ q_s.to(g.dtype)) ** 2, (a[:, 0] @ q_a.to(a.dtype)) ** 2
+                    _add(sums[layer.name], "lambda", (u.T @ v).to(torch.float64))
+                    continue
+                for rows in row_slices(len(a), layer, a.element_size()):
+                    rotated = eigen_gradients(a[rows], g[rows], q_a, q_s)
+                    _add(sums[layer.name], "lambda", (rotated * rotated).sum(0).to(torch.float64))
     return sums
 
 
@@ -99,21 +116,15 @@ class KroneckerSolver(BlockSolver):
     def damped(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.eigenvalues + self.lam).to(dtype)
 
-    def precondition_matrices(self, matrices: torch.Tensor) -> torch.Tensor:
-        """(F_l + λI)⁻¹ applied to gradient matrices (n, out, in)."""
-        scaled = self.rotate(matrices) / self.damped(matrices.dtype)
-        return self.q_s.to(matrices.dtype) @ scaled @ self.q_a.T.to(matrices.dtype)
-
-    def whiten(self, matrices: torch.Tensor) -> torch.Tensor:
-        """(F_l + λI)^(-1/2) in eigen-coordinates: ⟨whiten(G), whiten(G')⟩ = vec(G)ᵀ (F_l + λI)⁻¹ vec(G')."""
-        return self.rotate(matrices) / self.damped(matrices.dtype).sqrt()
-
-    def quadratic(self, matrices: torch.Tensor) -> torch.Tensor:
-        """vec(G)ᵀ (F_l + λI)⁻¹ vec(G) for each gradient matrix: the layer's share of the self-influence."""
-        return (self.rotate(matrices) ** 2 / self.damped(matrices.dtype)).sum(dim=(1, 2))
+    def whiten(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """(F_l + λI)^(-1/2) applied to captured gradients, in eigen-coordinates:
+        ⟨whiten(z), whiten(z')⟩ = vec(G)ᵀ (F_l + λI)⁻¹ vec(G')."""
+        return eigen_gradients(a, g, self.q_a, self.q_s) / self.damped(a.dtype).sqrt()
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
-        return self.layer.to_flat(self.precondition_matrices(self.layer.to_matrix(features)))
+        dtype = features.dtype
+        scaled = self.rotate(self.layer.to_matrix(features)) / self.damped(dtype)
+        return self.layer.to_flat(self.q_s.to(dtype) @ scaled @ self.q_a.T.to(dtype))
 
 
 class KfacInfluence(InfluenceFunctionModel):
@@ -142,7 +153,6 @@ class KfacInfluence(InfluenceFunctionModel):
         self.layers = select_layers(model, modules)
         names = [p for layer in self.layers for p in layer.param_names]
         super().__init__(model, loss, regularization, second_order_mode="gauss_newton", block_structure="layer_wise", param_names=names, batch_size=batch_size)
-        # With a projection the curvature stays in full per-layer space; only factors and features are compressed.
         self.projector = projection.build(self.layers) if projection is not None else None
         self.fisher: FisherKind = fisher or ("sampled" if self.objective.loss_fn is LOSSES["cross_entropy"] else "exact")
         self.seed = seed
@@ -167,16 +177,13 @@ class KfacInfluence(InfluenceFunctionModel):
         return self.factor_state(sums, bases, corrected)
 
     # The three steps of fit_factors, for running the passes on chunks (e.g. as Dask tasks) and adding them up.
-    def _compress(self) -> Compress | None:
-        return self.projector.compress if isinstance(self.projector, KroneckerProjector) else None
-
     def covariance_sums(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], offset: int = 0) -> Sums:
         """Pass 1 over examples offset, offset+1, ...: Σ a aᵀ, Σ g gᵀ and counts per layer."""
-        return covariance_sums(self.objective, self.layers, batches, self.fisher, self.seed, offset, self._compress())
+        return covariance_sums(self.objective, self.layers, batches, self.fisher, self.seed, offset)
 
     def correction_sums(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], bases: dict[str, tuple[torch.Tensor, torch.Tensor]], offset: int = 0) -> Sums:
         """Pass 2 (EK-FAC): Σ (Q_Sᵀ G Q_A)² per layer."""
-        return correction_sums(self.objective, self.layers, bases, batches, self.fisher, self.seed, offset, self._compress())
+        return correction_sums(self.objective, self.layers, bases, batches, self.fisher, self.seed, offset)
 
     def factor_state(self, sums: Sums, bases: dict[str, tuple[torch.Tensor, torch.Tensor]], corrected: Sums | None) -> dict[str, dict[str, torch.Tensor]]:
         """The per-block state from summed passes."""
@@ -192,50 +199,48 @@ class KfacInfluence(InfluenceFunctionModel):
             solver.load_state_dict(state[name])
         self._fitted = True
 
-    # -- with a projection ---------------------------------------------------------------------------
-    # LoGra: the curvature is fitted on the projected "virtual layers" (Φ_in a, Φ_out g), so no per-example
-    # gradient is ever materialised, and scores are g̃_tᵀ (F̃ + λI)⁻¹ g̃_i in that space.
-    # Gaussian/Rademacher: the curvature stays in full space and both sides are whitened before projecting,
-    # Φ (F + λI)^(-1/2) g, so the projection error is relative to whitened norms.
+    # -- with a projection -----------------------------------------------------------------------------
+    # The curvature stays in full per-layer space. Both sides are whitened in the Kronecker eigenbasis,
+    # w = (F + λI)^(-1/2) g, and then projected (Gaussian, Rademacher, or LoGra's Φ_out ⊗ Φ_in), so
+    # score ≈ ⟨Φ w_t, Φ w_i⟩ with a projection error relative to whitened norms, and query factors and training
+    # features take dim coordinates per layer. Self-influence is ‖w_i‖², exact.
 
-    def _work(self, x: torch.Tensor, y: torch.Tensor) -> Iterator[list[tuple[int, TrackedLayer, KroneckerSolver, torch.Tensor]]]:
-        """Per micro-batch: (layer index, layer, solver, gradient matrices), projected for LoGra, full otherwise."""
+    def _whitened(self, x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Per micro-batch: projected whitened gradients (rows, Σ dims) and exact self-influences (rows,)."""
         assert self.projector is not None
         for start in range(0, len(x), self.batch_size):
             cap = self.capture(x[start : start + self.batch_size], y[start : start + self.batch_size])
-            if isinstance(self.projector, KroneckerProjector):
-                cap = self.projector.compress(cap)
-            yield [(i, layer, self.solvers[layer.block], cap.gradient(layer.name)) for i, layer in enumerate(self.layers)]  # type: ignore[misc]
-
-    def _projected(self, work: list[tuple[int, TrackedLayer, KroneckerSolver, torch.Tensor]], precondition: bool) -> torch.Tensor:
-        assert self.projector is not None
-        if isinstance(self.projector, KroneckerProjector):
-            return torch.cat([(solver.precondition_matrices(g) if precondition else g).reshape(len(g), -1) for _, _, solver, g in work], dim=1)
-        return torch.cat([self.projector.project_matrices(layer, i, solver.whiten(g)) for i, layer, solver, g in work], dim=1)
+            rows = len(next(iter(cap.a.values())))
+            parts, self_inf = [], torch.zeros(rows, dtype=self.objective.space.dtype, device=self.objective.space.device)
+            for i, layer in enumerate(self.layers):
+                solver = self.solvers[layer.block]
+                a, g = cap.a[layer.name], cap.g[layer.name][0]
+                projected = []
+                for sl in row_slices(rows, layer, a.element_size()):
+                    white = solver.whiten(a[sl], g[sl])
+                    self_inf[sl] += (white**2).sum(dim=(1, 2))
+                    projected.append(self.projector.project_matrices(layer, i, white))
+                parts.append(torch.cat(projected))
+            yield torch.cat(parts, dim=1), self_inf
 
     def gradient_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.projector is None:
             return super().gradient_features(x, y)
         self._require_fitted()
-        return torch.cat([self._projected(work, precondition=False) for work in self._work(x, y)])
+        return torch.cat([features for features, _ in self._whitened(x, y)])
 
     def influence_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.projector is None:
-            return super().influence_factors(x, y)
-        self._require_fitted()
-        return torch.cat([self._projected(work, precondition=True) for work in self._work(x, y)])
+        """With a projection the factors are the queries' projected whitened gradients (the split is symmetric)."""
+        return self.gradient_features(x, y) if self.projector is not None else super().influence_factors(x, y)
 
     def scores_and_self_influences(self, factors: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One capture per batch gives both the projected features and the self-influences."""
+        """One capture per batch gives both the projected features and the exact self-influences."""
         if self.projector is None:
             return super().scores_and_self_influences(factors, x, y)
         self._require_fitted()
-        features, self_inf = [], []
-        for work in self._work(x, y):
-            features.append(self._projected(work, precondition=False))
-            self_inf.append(sum(solver.quadratic(g) for _, _, solver, g in work))
-        feats = torch.cat(features)
-        return (None if factors is None else factors @ feats.T), torch.cat(self_inf)
+        pieces = list(self._whitened(x, y))
+        features = torch.cat([f for f, _ in pieces])
+        return (None if factors is None else factors @ features.T), torch.cat([s for _, s in pieces])
 
 
 def factor_bases(values: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ def open_data(data: DataRef, options: dict[str, Any]) -> dict[str, zarr.Array]:
     return {name: group[name] for name in data.arrays}  # type: ignore[misc]
 
 
-IN_MEMORY_BYTES = 1 << 30  # training sets up to this size are read once; larger ones stream from the store
+IN_MEMORY_BYTES = 64 * 2**20  # training sets up to this size are read once; larger ones stream from the store
 
 
 def train_batches(data: DataRef, options: dict[str, Any], batch_size: int) -> Batches:

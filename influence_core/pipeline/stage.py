@@ -9,6 +9,8 @@ output still carries the fingerprint the manifest names.
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import json
 import time
 from datetime import datetime, timezone
@@ -23,6 +25,11 @@ from ..version import CODE_VERSION
 from .store import RunStore
 
 R = TypeVar("R", bound=StageRef)
+
+
+def producer() -> str:
+    """This process, as recorded in the refs it computes."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def stage_key(stage: str, config: dict[str, Any], inputs: dict[str, Ref]) -> str:
@@ -105,7 +112,7 @@ class StageCall(Generic[R]):
     def run(self, compute: Callable[[StageLocation], dict[str, Any]]) -> R:
         """Return the stored output if complete; else compute it and write the manifest last.
 
-        `compute` writes the outputs and returns the ref fields other than stage, created_at and seconds.
+        `compute` writes the outputs and returns the ref fields other than stage, created_at, seconds and producer.
         """
         found = self.existing()
         if found is not None:
@@ -113,6 +120,6 @@ class StageCall(Generic[R]):
         location = self.location
         start = time.perf_counter()
         fields = compute(location)
-        ref = self.ref_type(stage=self.stage, created_at=datetime.now(timezone.utc), seconds=time.perf_counter() - start, **fields)
+        ref = self.ref_type(stage=self.stage, created_at=datetime.now(timezone.utc), seconds=time.perf_counter() - start, producer=producer(), **fields)
         location.write(ref, self.config, self.inputs)
         return ref

@@ -11,7 +11,7 @@ from torch import nn
 from influence_core import DirectInfluence, EkfacInfluence, IdentityInfluence, KfacInfluence, Projection
 from influence_core.layers import capture, select_layers
 from influence_core.objective import Objective
-from tests.problems import Problem, digits, mean_curvature, minimise, mlp
+from tests.problems import Problem, digits, fit_classifier, mean_curvature, minimise, mlp
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,13 +47,7 @@ def small_cnn() -> Problem:
     x, y, xt, yt = digits(400, 20)
     x, xt = x.reshape(-1, 1, 8, 8), xt.reshape(-1, 1, 8, 8)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 10)).double()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(300):
-        opt.zero_grad()
-        (F.cross_entropy(model(x), y) + 5e-3 * sum((p * p).sum() for p in model.parameters())).backward()
-        opt.step()
-    minimise(model, "cross_entropy", x, y, 1e-2)
+    model = fit_classifier(nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 10)).double(), x, y)
     return Problem("small CNN", model, "cross_entropy", x, y, xt, yt, 1e-2)
 
 
@@ -82,13 +76,7 @@ def test_ekfac_on_a_digits_classifier_mlp():
     """Measured 0.94 on this classifier (its output layer is far from Kronecker-structured): documented, not 0.95."""
     x, y, xt, yt = digits(1000, 20)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(300):
-        opt.zero_grad()
-        (F.cross_entropy(model(x), y) + 5e-3 * sum((p * p).sum() for p in model.parameters())).backward()
-        opt.step()
-    minimise(model, "cross_entropy", x, y, 1e-2)
+    model = fit_classifier(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).double(), x, y)
     pr = Problem("mlp", model, "cross_entropy", x, y, xt, yt, 1e-2)
     lam = mean_curvature(pr)
     expected = scores(DirectInfluence(model, pr.loss, lam, second_order_mode="gauss_newton", block_structure="layer_wise"), pr)
@@ -164,20 +152,18 @@ def test_trak_projected_direct_solve_matches_its_formula():
     assert relative_error(got, x_test @ torch.linalg.solve(curvature, x_train.T)) < 1e-8
 
 
-@pytest.mark.parametrize("kind, floor", [("gaussian", 0.95), ("logra", 0.9)])
+@pytest.mark.parametrize("kind, floor", [("gaussian", 0.95), ("logra", 0.75)])
 def test_ekfac_with_projection_tracks_unprojected_ekfac(kind, floor):
-    """Gaussian: full-space EK-FAC, both sides whitened then projected. LoGra: EK-FAC fitted on the projected
-    virtual layers (no per-example gradient is materialised), a coarser approximation (measured 0.92)."""
+    """Full-space EK-FAC; both sides whitened in its eigenbasis, then projected. A Kronecker (LoGra) projection
+    concentrates worse than a dense one at equal size: measured 0.78 at 1,024, 0.87 at 4,096, 0.92 at 16,384
+    coordinates per layer, against 0.97 for Gaussian at 1,024."""
     pr = mlp()
     lam = mean_curvature(pr)
     reference = EkfacInfluence(pr.model, pr.loss, lam).fit(pr.train)
     projected = EkfacInfluence(pr.model, pr.loss, lam, projection=Projection(kind, dim=1024, seed=0)).fit(pr.train)
     assert pearson(projected.influences(pr.x_test, pr.y_test, *pr.train), reference.influences(pr.x_test, pr.y_test, *pr.train)) >= floor
-    self_exact, self_projected = reference.self_influences(*pr.train), projected.self_influences(*pr.train)
-    if kind == "gaussian":  # self-influence is the exact full-space quadratic form
-        torch.testing.assert_close(self_projected, self_exact, rtol=1e-9, atol=1e-12)
-    else:
-        assert pearson(self_projected, self_exact) >= 0.95
+    # self-influence is the exact full-space quadratic form, projection or not
+    torch.testing.assert_close(projected.self_influences(*pr.train), reference.self_influences(*pr.train), rtol=1e-9, atol=1e-12)
     assert projected.gradient_features(pr.x_test, pr.y_test).shape == (20, 2 * 1024)
 
 

@@ -1,0 +1,79 @@
+"""A real Prefect server, the deployments of prefect.yaml and a process worker, started by the tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(os.sys.executable).parent / "prefect")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log: Path, seconds: float = 180) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        assert process.poll() is None, f"the Prefect server exited: {log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the Prefect server did not answer in {seconds} s: {log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def prefect_service(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """`prefect server start` on a free port of 127.0.0.1 with its own SQLite home; yields the environment."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        "INFLUENCE_PIPELINE_HOME": str(REPO),
+        "INFLUENCE_LOCK_DIR": str(home / "locks"),
+    }
+    log = home / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=home)
+    try:
+        wait_healthy(env["PREFECT_API_URL"], server, log)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def deployed(prefect_service: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The work pool, `prefect --no-prompt deploy --all` from the repository, and a process worker."""
+    env = prefect_service
+    run = lambda *args: subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)  # noqa: E731
+    created = run("work-pool", "create", "influence-pool", "--type", "process")
+    assert created.returncode == 0, created.stdout + created.stderr
+    deployed = run("--no-prompt", "deploy", "--all")
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    log = Path(env["PREFECT_HOME"]) / "worker.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "influence-pool", "--type", "process"], env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield {**env, "WORKER_LOG": str(log)}
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)

@@ -1,0 +1,74 @@
+"""The Prefect UI in Debian's Chromium, driven by Playwright: a custom run with a changed parameter, to completion."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from influence_core import storage
+
+pytestmark = pytest.mark.e2e
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "prefect-ui-custom-run.png"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture
+def browser():  # type: ignore[no-untyped-def]
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it: apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        instance = p.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)  # no browser download
+        yield instance
+        instance.close()
+
+
+def property_input(page, label: str, selector: str):  # type: ignore[no-untyped-def]
+    """The input of the form property whose label reads `label`."""
+    return page.get_by_text(label, exact=True).locator("xpath=ancestor::div[contains(@class, 'p-label')][1]").locator(selector).first
+
+
+def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
+    from prefect.client.orchestration import SyncPrefectClient
+
+    ui = deployed["PREFECT_API_URL"].removesuffix("/api")
+    with SyncPrefectClient(api=deployed["PREFECT_API_URL"]) as client:
+        deployment = client.read_deployment_by_name("influence-run/on-demand")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{ui}/deployments/deployment/{deployment.id}", wait_until="networkidle")
+    page.get_by_role("button", name="Run").first.click()
+    page.get_by_text("Custom run").click()
+    page.wait_for_url(re.compile(r".*/run$"))
+    page.wait_for_load_state("networkidle")
+
+    output = tmp_path / "ui-run"
+    property_input(page, "Output URL (Optional)", "textarea").fill(str(output))
+    property_input(page, "Training examples (Optional)", "button:has-text('int')").click()
+    property_input(page, "Training examples (Optional)", "input[type=number]").fill("300")
+    property_input(page, "Top k (Optional)", "input[type=number]").fill("7")
+    page.get_by_role("button", name="Submit").click()
+    page.wait_for_url(re.compile(r".*/runs/flow-run/[0-9a-f-]+"), timeout=60_000)
+    flow_run_id = page.url.rsplit("/", 1)[-1]
+
+    with SyncPrefectClient(api=deployed["PREFECT_API_URL"]) as client:
+        deadline = time.time() + 600
+        while not (run := client.read_flow_run(flow_run_id)).state.is_final():
+            assert time.time() < deadline, "the run from the UI did not finish"
+            time.sleep(1)
+    assert run.state.is_completed(), f"{run.state}: {open(deployed['WORKER_LOG']).read()[-3000:]}"
+    assert run.parameters["params"]["aggregate"]["top_k"] == 7 and run.parameters["params"]["dataset"]["n_train"] == 300
+
+    page.reload(wait_until="networkidle")
+    page.get_by_text("Completed").first.wait_for(timeout=30_000)
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT))
+    group = storage.open_group(str(output / "influence.zarr"), {}, mode="r")
+    assert group.attrs["status"] == "complete"
+    assert np.asarray(group["topk_helpful_indices"][...]).shape[1] == 7
+    assert group["scores"].shape[1] == 300
