@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -31,7 +32,8 @@ def browser():  # type: ignore[no-untyped-def]
 
 def property_input(page, label: str, selector: str):  # type: ignore[no-untyped-def]
     """The input of the form property whose label reads `label`."""
-    return page.get_by_text(label, exact=True).locator("xpath=ancestor::div[contains(@class, 'p-label')][1]").locator(selector).first
+    container = "xpath=ancestor::*[contains(concat(' ', normalize-space(@class), ' '), ' p-label ')][1]"
+    return page.get_by_text(label, exact=True).locator(container).locator(selector).first
 
 
 def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
@@ -42,9 +44,9 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
         deployment = client.read_deployment_by_name("influence-run/on-demand")
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{ui}/deployments/deployment/{deployment.id}", wait_until="networkidle")
-    page.get_by_role("button", name="Run").first.click()
+    page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_text("Custom run").click()
-    page.wait_for_url(re.compile(r".*/run$"))
+    page.wait_for_url(re.compile(r".*/run(\?.*)?$"))
     page.wait_for_load_state("networkidle")
 
     output = tmp_path / "ui-run"
@@ -53,10 +55,14 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
     property_input(page, "Training examples (Optional)", "input[type=number]").fill("300")
     property_input(page, "Top k (Optional)", "input[type=number]").fill("7")
     page.get_by_role("button", name="Submit").click()
-    page.wait_for_url(re.compile(r".*/runs/flow-run/[0-9a-f-]+"), timeout=60_000)
-    flow_run_id = page.url.rsplit("/", 1)[-1]
+    page.wait_for_url(re.compile(r".*/deployments/deployment/[0-9a-f-]+(\?tab=Runs)?$"), timeout=60_000)  # back on the deployment
+
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     with SyncPrefectClient(api=deployed["PREFECT_API_URL"]) as client:
+        mine = [r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))) if r.parameters["params"].get("output_url") == str(output)]
+        assert len(mine) == 1, "the form did not create exactly one run with the edited parameters"
+        flow_run_id = mine[0].id
         deadline = time.time() + 600
         while not (run := client.read_flow_run(flow_run_id)).state.is_final():
             assert time.time() < deadline, "the run from the UI did not finish"
@@ -64,10 +70,12 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
     assert run.state.is_completed(), f"{run.state}: {open(deployed['WORKER_LOG']).read()[-3000:]}"
     assert run.parameters["params"]["aggregate"]["top_k"] == 7 and run.parameters["params"]["dataset"]["n_train"] == 300
 
-    page.reload(wait_until="networkidle")
+    page.goto(f"{ui}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
     page.get_by_text("Completed").first.wait_for(timeout=30_000)
-    SCREENSHOT.parent.mkdir(exist_ok=True)
-    page.screenshot(path=str(SCREENSHOT))
+    # The README's screenshot is refreshed with INFLUENCE_UPDATE_DOCS=1; otherwise it goes to the test's tmp dir.
+    shot = SCREENSHOT if os.environ.get("INFLUENCE_UPDATE_DOCS") == "1" else tmp_path / SCREENSHOT.name
+    page.screenshot(path=str(shot))
+    assert shot.stat().st_size > 10_000
     group = storage.open_group(str(output / "influence.zarr"), {}, mode="r")
     assert group.attrs["status"] == "complete"
     assert np.asarray(group["topk_helpful_indices"][...]).shape[1] == 7
