@@ -17,13 +17,13 @@ class RunParameters(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Influence run")
 
     output_url: str = Field("runs/demo", title="Output URL", description="Local directory or s3://bucket/prefix receiving influence.zarr, report.png and summary.json.")
-    dataset: DatasetSpec = Field(default_factory=DatasetSpec, title="Dataset")
-    model: ModelSpec = Field(default_factory=ModelSpec, title="Model")
-    training: TrainingSpec = Field(default_factory=TrainingSpec, title="Training")
-    method: MethodSpec = Field(default_factory=DirectMethod, title="Curvature method")
-    compute: ComputeSpec = Field(default_factory=ComputeSpec, title="Compute")
-    aggregate: AggregateSpec = Field(default_factory=AggregateSpec, title="Aggregation")
-    storage: StorageSpec = Field(default_factory=StorageSpec, title="Storage")
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec, title="Dataset", description="Where the training and query examples come from, and how they are split and chunked.")
+    model: ModelSpec = Field(default_factory=ModelSpec, title="Model", description="The PyTorch model whose predictions are attributed: built here and trained, or loaded from a checkpoint.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, title="Training", description="How the model is trained in the fit_model stage (ignored with a checkpoint).")
+    method: MethodSpec = Field(default_factory=DirectMethod, title="Curvature method", description="How (H + λI)⁻¹ is approximated: exact, iterative, low-rank, Kronecker-factored, or none.")
+    compute: ComputeSpec = Field(default_factory=ComputeSpec, title="Compute", description="Which Dask cluster scores the training chunks, and how large a chunk is.")
+    aggregate: AggregateSpec = Field(default_factory=AggregateSpec, title="Aggregation", description="Top-k helpful and harmful examples per query, and the report.")
+    storage: StorageSpec = Field(default_factory=StorageSpec, title="Storage", description="S3 endpoint and region, and a stage cache shared between runs; never credentials.")
 
     @field_validator("output_url")
     @classmethod

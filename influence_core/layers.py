@@ -86,15 +86,23 @@ class TrackedLayer:
 
 
 def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[TrackedLayer]:
-    """Layers by module name, or every Linear and Conv2d; unsupported choices fail with the field named."""
+    """Layers by module name or by type name ("Linear", "Conv2d"), or every Linear and Conv2d; unsupported
+    choices fail with the field named."""
     modules = dict(model.named_modules())
+    supported = [n for n, m in modules.items() if isinstance(m, SUPPORTED)]
     if names is None:
-        chosen = [n for n, m in modules.items() if isinstance(m, SUPPORTED)]
+        chosen = supported
     else:
-        chosen = list(names)
-        unknown = [n for n in chosen if n not in modules]
-        if unknown:
-            raise ConfigError("method.modules", f"no modules named {unknown}", f"pick from {[n for n, m in modules.items() if isinstance(m, SUPPORTED)]}")
+        types = {t.__name__: t for t in SUPPORTED}
+        chosen = []
+        for name in names:
+            if name in modules:
+                chosen.append(name)
+            elif name in types:
+                chosen += [n for n in supported if isinstance(modules[n], types[name])]
+            else:
+                raise ConfigError("method.modules", f"no module or layer type named {name!r}", f"pick from {supported} or {sorted(types)}")
+        chosen = list(dict.fromkeys(chosen))
         unsupported = [f"{n} ({type(modules[n]).__name__})" for n in chosen if not isinstance(modules[n], SUPPORTED)]
         if unsupported:
             raise ConfigError("method.modules", f"{unsupported} are not Linear or Conv2d", "track Linear and Conv2d modules only")
@@ -103,7 +111,7 @@ def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[
         if isinstance(m, nn.Conv2d) and (m.groups != 1 or m.padding_mode != "zeros"):
             raise ConfigError("method.modules", f"{n} uses groups={m.groups}, padding_mode={m.padding_mode!r}", "track plain convolutions (groups=1, zero padding) only")
     if not chosen:
-        raise ConfigError("method.modules", "the model has no Linear or Conv2d layer", "use a method without Kronecker factors, e.g. cg")
+        raise ConfigError("method.modules", "no Linear or Conv2d layer is selected", "select Linear or Conv2d modules, or use a method without Kronecker factors, e.g. cg")
     return [TrackedLayer(n, modules[n]) for n in chosen]
 
 

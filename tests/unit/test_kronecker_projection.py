@@ -201,6 +201,7 @@ def test_scores_restricted_to_chosen_modules_and_untracked_parameters_listed():
         EkfacInfluence(model, pr.loss, 1e-2, modules=["0"])
     everything = EkfacInfluence(model, pr.loss, 1e-2)
     assert everything.excluded_parameters == ["0.weight", "0.bias"]
+    assert [layer.name for layer in EkfacInfluence(model, pr.loss, 1e-2, modules=["Linear"]).layers] == ["1", "3"]  # by type
     direct_last = DirectInfluence(model, pr.loss, 1e-2, second_order_mode="gauss_newton", modules=["3"]).fit(pr.train)
     by_module = DirectInfluence(model, pr.loss, 1e-2, second_order_mode="gauss_newton", block_structure="layer_wise").fit(pr.train)
     torch.testing.assert_close(
