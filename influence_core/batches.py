@@ -41,19 +41,19 @@ class ArrayBatches:
 
     def __init__(self, x: Any, y: Any, batch_size: int, start: int = 0, stop: int | None = None) -> None:
         self.x, self.y, self.batch_size = x, y, max(1, int(batch_size))
-        self.start, self.stop = start, min(y.shape[0], y.shape[0] if stop is None else stop)
+        self.start, self.stop = start, y.shape[0] if stop is None else min(stop, y.shape[0])
 
     def __iter__(self) -> Iterator[Batch]:
         for lo in range(self.start, self.stop, self.batch_size):
-            hi = min(lo + self.batch_size, self.stop)
-            yield torch.from_numpy(np.asarray(self.x[lo:hi])), torch.from_numpy(np.asarray(self.y[lo:hi]))
+            yield self.rows(lo, lo + self.batch_size)
 
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def first(self) -> Batch:
-        """The first batch alone (e.g. one block of rows)."""
-        return next(iter(self))
+    def rows(self, lo: int, hi: int) -> Batch:
+        """Rows lo..hi (clipped to the range) read into tensors: one batch in any order, e.g. shuffled blocks."""
+        hi = min(hi, self.stop)
+        return torch.from_numpy(np.asarray(self.x[lo:hi])), torch.from_numpy(np.asarray(self.y[lo:hi]))
 
 
 def as_batches(data: Data, batch_size: int) -> Batches:

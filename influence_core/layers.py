@@ -135,7 +135,13 @@ class Capture:
 
     def gradient(self, layer: str, column: int = 0) -> torch.Tensor:
         """Per-example gradient matrices Σ_t g_t a_tᵀ: (batch, out, in_dim)."""
-        return torch.einsum("bto,bti->boi", self.g[layer][column], self.a[layer])
+        return outer_gradients(self.g[layer][column], self.a[layer])
+
+
+def outer_gradients(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Σ_t g_t a_tᵀ per example, (batch, out, in), from output gradients (batch, T, out) and inputs (batch, T, in),
+    either side possibly already rotated or projected (g Q_S, a Q_A; Φ_out g, Φ_in a)."""
+    return torch.einsum("bto,bti->boi", g, a)
 
 
 @contextmanager

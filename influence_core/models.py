@@ -51,11 +51,11 @@ def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: 
     optimiser = torch.optim.Adam(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
     generator = torch.Generator().manual_seed(training.seed)
     blocks = ArrayBatches(x, y, SHUFFLE_BLOCK_ROWS)
-    starts = list(range(0, len(blocks), SHUFFLE_BLOCK_ROWS))
+    n_blocks = -(-len(blocks) // SHUFFLE_BLOCK_ROWS)
     model.train()
     for _ in range(training.epochs):
-        for b in torch.randperm(len(starts), generator=generator).tolist():
-            xs, ys = objective.to_model(*ArrayBatches(x, y, SHUFFLE_BLOCK_ROWS, starts[b], starts[b] + SHUFFLE_BLOCK_ROWS).first())
+        for b in torch.randperm(n_blocks, generator=generator).tolist():
+            xs, ys = objective.to_model(*blocks.rows(b * SHUFFLE_BLOCK_ROWS, (b + 1) * SHUFFLE_BLOCK_ROWS))
             order = torch.randperm(len(ys), generator=generator)
             for start in range(0, len(ys), training.batch_size):
                 idx = order[start : start + training.batch_size]

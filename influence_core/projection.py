@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
-from .layers import Capture, TrackedLayer
+from .layers import Capture, TrackedLayer, outer_gradients
 
 ProjectionKind = Literal["gaussian", "rademacher", "logra"]
 
@@ -97,7 +97,7 @@ class KroneckerProjector(Projector):
     def project_capture(self, layer: TrackedLayer, index: int, cap: Capture) -> torch.Tensor:
         a, g = cap.a[layer.name], cap.g[layer.name][0]
         phi_out, phi_in = self.factors(layer, index, a)
-        return torch.einsum("bto,bti->boi", g @ phi_out.T, a @ phi_in.T).reshape(a.shape[0], -1)
+        return outer_gradients(g @ phi_out.T, a @ phi_in.T).reshape(a.shape[0], -1)
 
     def project_matrices(self, layer: TrackedLayer, index: int, matrices: torch.Tensor) -> torch.Tensor:
         phi_out, phi_in = self.factors(layer, index, matrices)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
-
 import hashlib
 import json
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import psutil
-
 from prefect import Task
 from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import State, TaskRun

@@ -17,7 +17,7 @@ from typing_extensions import Self
 
 from ..batches import Batches, Data, as_batches
 from ..blocks import BlockCurvature, Regularization
-from ..layers import Capture, FisherKind, TrackedLayer, capture, select_layers
+from ..layers import Capture, FisherKind, TrackedLayer, capture, outer_gradients, select_layers
 from ..losses import LOSSES, LossFn
 from ..noise import ExampleNoise
 from ..objective import Objective
@@ -37,7 +37,7 @@ def row_slices(n: int, layer: TrackedLayer, itemsize: int) -> list[slice]:
 def eigen_gradients(a: torch.Tensor, g: torch.Tensor, q_a: torch.Tensor, q_s: torch.Tensor) -> torch.Tensor:
     """Per-example gradients in the Kronecker eigenbasis, Q_Sᵀ (Σ_t g_t a_tᵀ) Q_A, from the rotated captures:
     O(T·(out² + in² + out·in)) per example instead of rotating a formed (out × in) matrix."""
-    return torch.einsum("bto,bti->boi", g @ q_s.to(g.dtype), a @ q_a.to(a.dtype))
+    return outer_gradients(g @ q_s.to(g.dtype), a @ q_a.to(a.dtype))
 
 
 def _fisher_captures(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int) -> Iterator[tuple[torch.Tensor, Capture]]:

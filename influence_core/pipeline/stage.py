@@ -9,9 +9,9 @@ output still carries the fingerprint the manifest names.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
-import json
 import time
 from datetime import datetime, timezone
 from dataclasses import dataclass
