@@ -57,9 +57,10 @@ def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     run = StageRunner(store)
     data = run(prepare_data, spec=params.dataset, store=store)
     check_top_k(params.aggregate, data.n_train)
-    model = run(fit_model, spec=params.model, training=params.training, data=data, store=store)
+    threads = params.compute.torch_threads
+    model = run(fit_model, spec=params.model, training=params.training, data=data, store=store, threads=threads)
     curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
-    factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store)
+    factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store, threads=threads)
     scores = run(compute_influences, compute=params.compute, method=params.method, model=model, data=data, curvature=curvature, factors=factors, store=store)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
     return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate.report_queries)

@@ -282,6 +282,11 @@ class ComputeSpec(Spec):
     cluster: ClusterKind = Field(ClusterKind.local, title="Cluster", description="local: a LocalCluster here; cuda: one worker per GPU (gpu extra); address: an existing scheduler; sequential: no Dask.")
     address: str | None = Field(None, title="Scheduler address", description="For cluster=address, e.g. tcp://host:8786.")
     n_workers: int = Field(2, ge=1, title="Workers", description="Worker processes of a local cluster.")
+    torch_threads: int = Field(
+        2, ge=1, le=256, title="Torch threads per stage",
+        description="Intra-op threads of the stages that compute in the flow process (training, curvature, query factors); "
+        "every Dask task uses 1. Fixed, not taken from the machine, so a stage gives bit-identical results in any process.",
+    )
     allow_multithreaded_workers: bool = Field(False, title="Allow multi-threaded workers", description="Accept workers with several threads although the method is not thread-safe.")
     train_chunk_rows: int | None = Field(None, ge=1, title="Train rows per task", description="Training examples scored per task and written as one shard (empty: from target_shard_mb).")
     target_shard_mb: float = Field(64.0, gt=0, title="Shard size (MB)", description="Target size of one shard of the scores array.")

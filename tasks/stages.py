@@ -23,9 +23,9 @@ def prepare_data(spec: DatasetSpec, store: RunStore) -> DataRef:
 
 
 @task(name="fit_model", cache_policy=stage_policy(training_stage.plan), **STAGE_OPTIONS)
-def fit_model(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore) -> ModelRef:
+def fit_model(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, threads: int) -> ModelRef:
     """Train the model (or load its checkpoint) and store its state_dict."""
-    return training_stage.run(spec, training, data, store)
+    return training_stage.run(spec, training, data, store, threads)
 
 
 @task(name="fit_preconditioner", cache_policy=stage_policy(preconditioner.plan), **STAGE_OPTIONS)
@@ -35,9 +35,9 @@ def fit_preconditioner(method: MethodSpec, model: ModelRef, data: DataRef, store
 
 
 @task(name="compute_test_factors", cache_policy=stage_policy(factor_stage.plan), **STAGE_OPTIONS)
-def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore) -> StageRef:
+def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int) -> StageRef:
     """(C + λI)⁻¹ ∇ℓ for every query, once per run."""
-    return factor_stage.run(method, model, data, curvature, store)
+    return factor_stage.run(method, model, data, curvature, store, threads)
 
 
 @task(name="compute_influences", cache_policy=stage_policy(scoring.plan), **STAGE_OPTIONS)

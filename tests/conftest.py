@@ -17,6 +17,7 @@ os.environ.update(
         "AWS_DEFAULT_REGION": "us-east-1",
         "PREFECT_LOCAL_STORAGE_PATH": tempfile.mkdtemp(prefix="prefect-results-"),
         "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
 )
 

@@ -17,9 +17,9 @@ from .store import RunStore
 SOLVE_BLOCK_BYTES = 256 * 2**20  # queries solved together: more rows share each pass over the training data
 
 
-def plan(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore) -> StageCall[StageRef]:
+def plan(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int) -> StageCall[StageRef]:
     inputs = {"model": model, "data": data, "curvature": curvature}
-    return StageCall("compute_test_factors", StageRef, {"method": method.model_dump(mode="json")}, inputs, store)
+    return StageCall("compute_test_factors", StageRef, {"method": method.model_dump(mode="json")}, inputs, store, threads)
 
 
 def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
@@ -42,5 +42,6 @@ def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: Stag
     return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype)}
 
 
-def run(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore) -> StageRef:
-    return plan(method, model, data, curvature, store).run(lambda loc: _compute(method, model, data, curvature, store, loc))
+def run(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int) -> StageRef:
+    """Solve for the query factors with `threads` torch threads, or return the stored ones."""
+    return plan(method, model, data, curvature, store, threads).run(lambda loc: _compute(method, model, data, curvature, store, loc))

@@ -1,14 +1,14 @@
 """Stage 3: the fitted curvature state of the chosen method (matrix factor, eigenbasis, Kronecker factors, ...).
 
-K-FAC and EK-FAC factors are sums over examples: on a Dask cluster each chunk of training rows is one task,
-and the chunk sums are added (ExampleNoise ties sampled labels to example indices, so the partition does not
-change the result). Every other method fits in this process.
+K-FAC and EK-FAC factors are sums over examples, computed on fixed blocks of FACTOR_ROWS training rows, one task
+each (on the Dask cluster, or one after another here), with one torch thread, and added in block order. The
+partition depends on nothing but the data, and sampled labels are tied to example indices, so every cluster kind
+gives the same bits. Every other method fits in this process with `compute.torch_threads` threads.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,16 +19,17 @@ from ..methods import KfacInfluence
 from ..methods.kfac import Sums, factor_bases, merge
 from ..refs import DataRef, ModelRef, StageRef
 from ..specs import ComputeSpec, MethodSpec, ModelSpec
+from ..threads import TASK_THREADS, torch_threads
 from .loading import load_model, open_data, save_tensors, train_batches
 from .stage import StageCall, StageLocation
 from .store import RunStore
 
-FACTOR_TASKS_PER_WORKER = 4
+FACTOR_ROWS = 4096  # training rows per factor task
 
 
-def plan(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec | None = None) -> StageCall[StageRef]:
-    """The curvature depends on method, model and data; where it is computed does not change it."""
-    return StageCall("fit_preconditioner", StageRef, {"method": method.model_dump(mode="json")}, {"model": model, "data": data}, store)
+def plan(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec) -> StageCall[StageRef]:
+    """The curvature depends on method, model, data and the torch threads of this process; not on the cluster."""
+    return StageCall("fit_preconditioner", StageRef, {"method": method.model_dump(mode="json")}, {"model": model, "data": data}, store, compute.torch_threads)
 
 
 @dataclass(frozen=True)
@@ -49,40 +50,49 @@ class FactorJob:
         arrays = open_data(self.data, self.options)
         return ArrayBatches(arrays["x_train"], arrays["y_train"], self.method.batch_size, lo, hi)
 
+    def blocks(self) -> list[tuple[int, int]]:
+        n = self.data.n_train
+        return [(lo, min(lo + FACTOR_ROWS, n)) for lo in range(0, n, FACTOR_ROWS)]
+
 
 def covariance_chunk(job: FactorJob, lo: int, hi: int) -> Sums:
-    return job.influence_model().covariance_sums(job.rows(lo, hi), offset=lo)
+    with torch_threads(TASK_THREADS):
+        return job.influence_model().covariance_sums(job.rows(lo, hi), offset=lo)
 
 
 def correction_chunk(job: FactorJob, lo: int, hi: int, bases: dict[str, Any]) -> Sums:
-    return job.influence_model().correction_sums(job.rows(lo, hi), bases, offset=lo)
+    with torch_threads(TASK_THREADS):
+        return job.influence_model().correction_sums(job.rows(lo, hi), bases, offset=lo)
 
 
-def distributed_factors(im: KfacInfluence, job: FactorJob, client: Client) -> dict[str, dict[str, Any]]:
-    """K-FAC/EK-FAC state from chunk sums computed as Dask tasks."""
-    n = job.data.n_train
-    step = math.ceil(n / (FACTOR_TASKS_PER_WORKER * max(1, len(client.scheduler_info()["workers"]))))
-    starts = list(range(0, n, step))
-    stops = [min(lo + step, n) for lo in starts]
-    sums = merge(*client.gather(client.map(covariance_chunk, [job] * len(starts), starts, stops, pure=False)))
+def _map(client: Client | None, fn: Callable[..., Sums], job: FactorJob, **shared: Any) -> Iterator[Sums]:
+    """The block sums in block order, from the cluster or computed here."""
+    blocks = job.blocks()
+    if client is None:
+        return (fn(job, lo, hi, **shared) for lo, hi in blocks)
+    if shared:
+        shared = {name: client.scatter(value, broadcast=True) for name, value in shared.items()}
+    futures = client.map(fn, [job] * len(blocks), [lo for lo, _ in blocks], [hi for _, hi in blocks], pure=False, **shared)
+    return iter(client.gather(futures))
+
+
+def kronecker_factors(im: KfacInfluence, job: FactorJob, client: Client | None) -> dict[str, dict[str, Any]]:
+    """K-FAC/EK-FAC state from block sums: covariances, their eigenbases, then (EK-FAC) the corrected eigenvalues."""
+    sums = merge(*_map(client, covariance_chunk, job))
     bases = {name: factor_bases(values) for name, values in sums.items()}
-    corrected = None
-    if im.eigen_correction:
-        shared = client.scatter(bases, broadcast=True)
-        corrected = merge(*client.gather(client.map(correction_chunk, [job] * len(starts), starts, stops, bases=shared, pure=False)))
+    corrected = merge(*_map(client, correction_chunk, job, bases=bases)) if im.eigen_correction else None
     return im.factor_state(sums, bases, corrected)
 
 
-def _fit(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, client_factory: Callable[[], Any] | None, loc: StageLocation) -> dict[str, Any]:
+def _fit(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, client_factory: Callable[[], Any], loc: StageLocation) -> dict[str, Any]:
     im = method.build(load_model(model, store.options), ModelSpec.model_validate(model.spec).loss)
     batches = train_batches(data, store.options, method.batch_size)
-    if isinstance(im, KfacInfluence) and client_factory is not None:
+    if isinstance(im, KfacInfluence):
+        batch = next(iter(batches))
+        im.objective.check_outputs(*batch)
         with client_factory() as client:
-            if client is None:
-                im.fit(batches)
-            else:
-                state = distributed_factors(im, FactorJob(method, model, data, store.options), client)
-                im.load_state_dict({f"{block}/{key}": value for block, values in state.items() for key, value in values.items()}, train=batches)
+            state = kronecker_factors(im, FactorJob(method, model, data, store.options), client)
+        im.load_state_dict({f"{block}/{key}": value for block, values in state.items() for key, value in values.items()}, train=batches)
     else:
         im.fit(batches)
     url = loc.path("curvature.pt")
@@ -90,7 +100,7 @@ def _fit(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, cl
     return {"url": url, "fingerprint": loc.key, "shape": (im.objective.space.dim,), "dtype": model.dtype}
 
 
-def run(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec | None = None, client_factory: Callable[[], Any] | None = None) -> StageRef:
+def run(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec, client_factory: Callable[[], Any]) -> StageRef:
     """Fit and store the curvature; `client_factory()` (a context manager yielding a Dask client or None) is used
-    for the methods whose passes split into chunks."""
+    for the methods whose passes split into blocks."""
     return plan(method, model, data, store, compute).run(lambda loc: _fit(method, model, data, store, client_factory, loc))

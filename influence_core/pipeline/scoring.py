@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from ..layout import ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
 from ..refs import DataRef, ModelRef, ScoresRef, StageRef
 from ..specs import ComputeSpec, MethodSpec
+from ..threads import TASK_THREADS, torch_threads
 from .loading import load_influence_model, open_data
 from .stage import StageCall, StageLocation
 from .store import RunStore
@@ -75,24 +75,12 @@ def _scorer(job: ScoreJob) -> _Scorer:
         return _SCORERS[job.key]
 
 
-@contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Chunks run single-threaded everywhere (parallelism comes from workers), so every cluster kind,
-    sequential included, produces bit-identical scores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def score_chunk(job: ScoreJob, index: int) -> int:
     """Score training rows of chunk `index` against every query; write the shard, then the marker.
 
     Returns the number of per-sample gradients this evaluated.
     """
-    with _one_torch_thread():
+    with torch_threads(TASK_THREADS):  # the same arithmetic on every cluster kind, sequential included
         scorer = _scorer(job)
         before = scorer.im.objective.gradient_rows
         _score_chunk(scorer, job, index)

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
@@ -21,6 +22,7 @@ import zarr
 
 from .. import storage
 from ..refs import Ref, StageRef
+from ..threads import torch_threads
 from ..version import CODE_VERSION
 from .store import RunStore
 
@@ -96,10 +98,12 @@ class StageCall(Generic[R]):
     config: dict[str, Any]
     inputs: dict[str, Ref]
     store: RunStore
+    threads: int | None = None  # torch threads the stage computes with (None: it runs no torch arithmetic here)
 
     @property
     def key(self) -> str:
-        return stage_key(self.stage, {**self.config, "cache_url": self.store.cache_url}, self.inputs)
+        pinned = {} if self.threads is None else {"torch_threads": self.threads}
+        return stage_key(self.stage, {**self.config, **pinned, "cache_url": self.store.cache_url}, self.inputs)
 
     @property
     def location(self) -> StageLocation:
@@ -119,7 +123,8 @@ class StageCall(Generic[R]):
             return found
         location = self.location
         start = time.perf_counter()
-        fields = compute(location)
+        with nullcontext() if self.threads is None else torch_threads(self.threads):
+            fields = compute(location)
         ref = self.ref_type(stage=self.stage, created_at=datetime.now(timezone.utc), seconds=time.perf_counter() - start, producer=producer(), **fields)
         location.write(ref, self.config, self.inputs)
         return ref

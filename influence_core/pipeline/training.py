@@ -15,13 +15,13 @@ from .stage import StageCall, StageLocation
 from .store import RunStore
 
 
-def plan(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore) -> StageCall[ModelRef]:
+def plan(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, threads: int) -> StageCall[ModelRef]:
     config: dict[str, Any] = {"model": spec.model_dump(mode="json")}
     if spec.checkpoint:
         config["checkpoint_stat"] = storage.stat_token(spec.checkpoint, store.options)
     else:
         config["training"] = training.model_dump(mode="json")
-    return StageCall("fit_model", ModelRef, config, {"data": data}, store)
+    return StageCall("fit_model", ModelRef, config, {"data": data}, store, threads)
 
 
 def _fit(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
@@ -51,5 +51,6 @@ def _fit(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore
     }
 
 
-def run(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore) -> ModelRef:
-    return plan(spec, training, data, store).run(lambda loc: _fit(spec, training, data, store, loc))
+def run(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, threads: int) -> ModelRef:
+    """Train (or load) the model with `threads` torch threads, or return the stored one."""
+    return plan(spec, training, data, store, threads).run(lambda loc: _fit(spec, training, data, store, loc))

@@ -43,9 +43,10 @@ def slow_params(output_url: str, cluster: str = "sequential", **extra):
 def upstream(params):
     store = params.store()
     data = prepare.run(params.dataset, store)
-    model = training.run(params.model, params.training, data, store)
-    curvature = preconditioner.run(params.method, model, data, store)
-    return store, data, model, curvature, factors.run(params.method, model, data, curvature, store)
+    threads = params.compute.torch_threads
+    model = training.run(params.model, params.training, data, store, threads)
+    curvature = preconditioner.run(params.method, model, data, store, params.compute, lambda: dask_client(params.compute, False))
+    return store, data, model, curvature, factors.run(params.method, model, data, curvature, store, threads)
 
 
 def score(params, client_factory=None):

@@ -54,7 +54,7 @@ def test_model_output_not_fitting_labels(tmp_path):
     store = RunStore(output_url=str(tmp_path))
     data = prepare.run(DatasetSpec(n_train=50, n_test=5), store)
     with pytest.raises(ConfigError, match=r"model.output_dim: the model emits 5 columns but the labels go up to 9.*10 outputs"):
-        training.run(ModelSpec(hidden=[4], output_dim=5), TrainingSpec(epochs=1), data, store)
+        training.run(ModelSpec(hidden=[4], output_dim=5), TrainingSpec(epochs=1), data, store, threads=1)
     assert not list((tmp_path / "stages" / "fit_model").glob("*/manifest.json"))  # nothing half-done looks complete
 
 

@@ -1,0 +1,44 @@
+"""Fixed torch thread counts, so a stage's arithmetic depends on its parameters, never on the machine.
+
+Reductions split across threads add in a different order, so the same stage run with 1 or 2 intra-op threads
+gives results that differ in the last bits. Every stage therefore runs under an explicit count: the flow's stages
+under `compute.torch_threads`, every Dask task under 1. torch's count is process-wide, so contexts open at once in
+several threads (tasks on a multi-threaded worker) must agree on it; the count from before the first one is
+restored after the last one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+TASK_THREADS = 1  # every Dask task: parallelism comes from workers, and results match the sequential cluster
+
+_lock = threading.Lock()
+_open: list[tuple[int, int]] = []  # (thread id, count) of the contexts now open, innermost last
+_outside = 0
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the body with exactly `n` torch intra-op threads. Contexts nest within a thread; contexts open at once
+    in other threads of this process must ask for the same count, or this refuses to start."""
+    global _outside
+    me = threading.get_ident()
+    with _lock:
+        others = {count for thread, count in _open if thread != me}
+        if others - {n}:
+            raise RuntimeError(f"torch is pinned to {others} threads by a concurrent stage in this process; {n} were asked for")
+        if not _open:
+            _outside = torch.get_num_threads()
+        _open.append((me, n))
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        with _lock:
+            del _open[max(i for i, entry in enumerate(_open) if entry == (me, n))]
+            torch.set_num_threads(_open[-1][1] if _open else _outside)
