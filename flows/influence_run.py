@@ -43,7 +43,7 @@ class StageRunner:
             mine = ref.producer == producer() and ref.created_at >= self.started  # not a concurrent run's work
             outcome = "computed" if mine else "found complete"
         self.refs[stage.name] = ref
-        work = ref.model_dump(include={"n_chunks", "chunks_computed", "gradient_rows"})  # what scoring did, where it applies
+        work = ref.model_dump(include={"work", "n_chunks", "chunks_computed", "gradient_rows", "self_influence"})  # what the stage did
         self.outcomes[stage.name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
         return ref
 
@@ -61,6 +61,6 @@ def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     model = run(fit_model, spec=params.model, training=params.training, data=data, store=store, threads=threads)
     curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
     factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store, threads=threads)
-    scores = run(compute_influences, compute=params.compute, method=params.method, model=model, data=data, curvature=curvature, factors=factors, store=store)
+    scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, curvature=curvature, factors=factors, store=store)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
     return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate.report_queries)

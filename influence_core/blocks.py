@@ -11,6 +11,7 @@ from .batches import Batches
 from .curvature import CurvatureOperator
 from .errors import ConfigError
 from .params import ParamSpace
+from .work import Work
 
 BlockStructure = Literal["full", "layer_wise"]
 Regularization = Union[float, dict[str, float]]
@@ -91,6 +92,15 @@ class BlockCurvature:
     @property
     def data(self) -> Batches:
         return self.operator.batches
+
+    @property
+    def psd(self) -> bool:
+        """Positive semi-definite by construction (Gauss-Newton), so a Nyström sketch applies."""
+        return self.operator.mode == "gauss_newton"
+
+    @property
+    def work(self) -> Work:
+        return self.operator.objective.work
 
     @property
     def n(self) -> int:

@@ -144,13 +144,29 @@ def outer_gradients(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bto,bti->boi", g, a)
 
 
+def calls_per_layer(model: nn.Module, layers: list[TrackedLayer], x: torch.Tensor) -> dict[str, int]:
+    """How often each layer runs in one forward pass of `x` (a shared layer runs more than once)."""
+    counts = dict.fromkeys((layer.name for layer in layers), 0)
+    handles = [layer.module.register_forward_hook(lambda *_, name=layer.name: counts.__setitem__(name, counts[name] + 1)) for layer in layers]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts
+
+
 @contextmanager
 def _recording(layers: list[TrackedLayer], inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Forward hooks that keep each tracked layer's input (as a) and its output tensor."""
+    """Forward hooks that keep each tracked layer's input (as a) and its output tensor; a layer that runs twice
+    in one pass (shared weights) cannot be captured and is refused."""
     handles = []
     for layer in layers:
 
         def hook(module: nn.Module, args: tuple, output: torch.Tensor, layer: TrackedLayer = layer) -> None:
+            if layer.name in inputs:
+                raise ConfigError("method.modules", f"{layer.name or 'the model'} runs more than once per forward pass (shared weights)", "leave it out of method.modules, or use a method without Kronecker factors such as cg")
             inputs[layer.name] = layer.inputs(args[0].detach())
             outputs[layer.name] = output
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 INNER_CHUNK_BYTES = 1 * 2**20  # what one read of a slice of scores pulls in
 MAX_TEST_ROWS_PER_CHUNK = 1024
+MIN_TASKS = 8  # without an explicit chunk size, at least this many tasks, so every worker of a cluster has work
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,11 @@ class ScoreLayout:
 
 
 def score_layout(n_test: int, n_train: int, target_shard_mb: float, train_rows: int | None = None, itemsize: int = 4) -> ScoreLayout:
-    """Shards of about `target_shard_mb` spanning all queries; inner chunks of about 1 MB that tile them exactly."""
+    """Shards of about `target_shard_mb` spanning all queries (smaller when that leaves fewer than MIN_TASKS tasks);
+    inner chunks of about 1 MB that tile them exactly."""
     test_rows = min(n_test, MAX_TEST_ROWS_PER_CHUNK)
     inner_cols = max(1, INNER_CHUNK_BYTES // (itemsize * test_rows))
-    wanted = train_rows or max(1, int(target_shard_mb * 2**20) // (itemsize * n_test))
+    wanted = train_rows or min(max(1, int(target_shard_mb * 2**20) // (itemsize * n_test)), math.ceil(n_train / MIN_TASKS))
     wanted = min(wanted, n_train)
     inner_cols = min(inner_cols, wanted)
     cols = math.ceil(wanted / inner_cols) * inner_cols  # a shard must hold whole chunks

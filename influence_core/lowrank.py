@@ -58,11 +58,12 @@ def lanczos(matmat: MatMat, dim: int, rank: int, krylov_dim: int, seed: int, dty
     return values[keep].to(dtype), (basis.T @ vectors[:, keep]).to(dtype)
 
 
-def nystroem(matmat: MatMat, dim: int, rank: int, seed: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def nystroem(matmat: MatMat, dim: int, rank: int, seed: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Randomised Nyström approximation C ≈ U diag(Λ) Uᵀ of a positive semi-definite operator (Tropp et al., 2017).
 
-    One pass of `rank` products; stabilised by a tiny shift. At `rank = dim` it is exact. Returns Λ (rank,) and
-    U (dim, rank).
+    One pass of `rank` products; stabilised by a tiny shift. At `rank = dim` it is exact. Returns Λ (rank,),
+    U (dim, rank), and the trace estimate (dim/rank)·tr(ΩᵀCΩ) from the same products (unbiased: Ω has Haar-random
+    orthonormal columns).
     """
     gen = _generator(seed)
     omega, _ = torch.linalg.qr(torch.randn(dim, rank, generator=gen, dtype=torch.float64))
@@ -77,4 +78,11 @@ def nystroem(matmat: MatMat, dim: int, rank: int, seed: int, dtype: torch.dtype,
     b = torch.linalg.solve_triangular(factor, shifted.T, upper=False).T  # shifted @ factor⁻ᵀ
     u, sigma, _ = torch.linalg.svd(b, full_matrices=False)
     values = torch.clamp(sigma**2 - shift, min=0.0)
-    return values.to(dtype), u.to(dtype)
+    trace = float(torch.trace(omega.T @ sketch)) * dim / rank
+    return values.to(dtype), u.to(dtype), trace
+
+
+def hutchinson_trace(matmat: MatMat, dim: int, probes: int, seed: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Hutchinson's estimate of trace(C) from `probes` Rademacher vectors, in one batch of products."""
+    z = (torch.randint(0, 2, (probes, dim), generator=_generator(seed)) * 2 - 1).to(dtype=dtype, device=device)
+    return float((z * matmat(z)).sum()) / probes

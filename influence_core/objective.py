@@ -11,6 +11,7 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 from .errors import ConfigError
 from .losses import LossFn, resolve_loss
 from .params import ParamSpace
+from .work import Work
 
 Params = dict[str, torch.Tensor]
 
@@ -22,7 +23,7 @@ class Objective:
         self.model = model.eval()
         self.loss_fn = resolve_loss(loss)
         self.space = ParamSpace(model, param_names)
-        self.gradient_rows = 0  # examples whose per-sample gradient was evaluated: the unit of work we count
+        self.work = Work()  # what was evaluated with this objective: gradients, curvature products, solves, flops
 
     @property
     def params(self) -> Params:
@@ -47,7 +48,7 @@ class Objective:
     def per_sample_grads(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of each example's loss, shape (n, p), vectorised with vmap over grad."""
         x, y = self.to_model(x, y)
-        self.gradient_rows += len(x)
+        self.work.gradient_rows += len(x)
         grads = vmap(grad(self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
         return self.space.flatten(grads, batch_dims=1)
 
@@ -58,6 +59,7 @@ class Objective:
         forward-over-reverse fails on some losses with "ZeroTensors are immutable".)
         """
         x, y = self.to_model(x, y)
+        self.work.product_rows += len(vectors) * len(x)
         _, pullback = vjp(lambda p: grad(self.batch_loss)(p, x, y), self.params)
         out = vmap(lambda v: pullback(v)[0])(self.space.unflatten(vectors))
         return self.space.flatten(out, batch_dims=1)
@@ -65,6 +67,7 @@ class Objective:
     def gauss_newton_products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
         """Rows of `vectors` (k, p) times the generalised Gauss-Newton matrix Jᵀ ∇²ℓ(f) J of this batch."""
         x, y = self.to_model(x, y)
+        self.work.product_rows += len(vectors) * len(x)
 
         def forward(p: Params) -> torch.Tensor:
             return self.outputs(p, x)

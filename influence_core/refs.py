@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -19,12 +20,13 @@ class Ref(BaseModel):
 
 
 class StageRef(Ref):
-    """A stage output plus when it was made, by which process, and how long that took."""
+    """A stage output plus when it was made, by which process, how long that took, and the work it did."""
 
     stage: str
     created_at: datetime
     seconds: float
     producer: str  # host:pid of the process that computed it
+    work: dict[str, float] = {}  # influence_core.work.Work counters of the computation (empty when it counts none)
 
 
 class DataRef(StageRef):
@@ -58,8 +60,9 @@ class ModelRef(StageRef):
 
 class ScoresRef(StageRef):
     """The scores array, and the work the run that finished it did: chunks computed and per-sample gradients
-    evaluated (a resumed run counts only what it added)."""
+    evaluated (a resumed run counts only what it added), and how self-influence was computed."""
 
     n_chunks: int
     chunks_computed: int
     gradient_rows: int
+    self_influence: dict[str, Any]

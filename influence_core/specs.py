@@ -139,6 +139,11 @@ class ProjectionSpec(Spec):
 class MethodBase(Spec):
     batch_size: int = Field(256, ge=1, title="Batch size", description="Examples per vectorised gradient or curvature product; bounds memory.")
     modules: list[str] | None = Field(None, title="Modules", description="Restrict influence to these modules' parameters (names as in model.named_modules(), e.g. the last layers); empty: all.")
+    query_rank: int | None = Field(
+        None, ge=1, title="Query factor rank",
+        description="Keep each query's preconditioned gradient per Linear/Conv2d layer as a rank-r product (Kronfluence's query_gradient_low_rank): "
+        "less memory, and r·(out+in) instead of out·in per scored pair when that is smaller. Empty: full rank. Not with a projection or arnoldi.",
+    )
 
     def build(self, model: nn.Module, loss: str) -> InfluenceFunctionModel:
         """The influence model for these settings, not yet fitted."""
@@ -288,7 +293,7 @@ class ComputeSpec(Spec):
         "every Dask task uses 1. Fixed, not taken from the machine, so a stage gives bit-identical results in any process.",
     )
     allow_multithreaded_workers: bool = Field(False, title="Allow multi-threaded workers", description="Accept workers with several threads although the method is not thread-safe.")
-    train_chunk_rows: int | None = Field(None, ge=1, title="Train rows per task", description="Training examples scored per task and written as one shard (empty: from target_shard_mb).")
+    train_chunk_rows: int | None = Field(None, ge=1, title="Train rows per task", description="Training examples scored per task and written as one shard (empty: from target_shard_mb, and at least 8 tasks).")
     target_shard_mb: float = Field(64.0, gt=0, title="Shard size (MB)", description="Target size of one shard of the scores array.")
 
     @model_validator(mode="after")
@@ -300,6 +305,14 @@ class ComputeSpec(Spec):
 
 class AggregateSpec(Spec):
     top_k: int = Field(5, ge=1, title="Top k", description="How many most helpful and most harmful training examples to keep per query.")
+    self_influence: Literal["auto", "exact", "lowrank", "off"] = Field(
+        "auto", title="Self-influence",
+        description="exact: ∇ℓᵀ(C+λI)⁻¹∇ℓ per training example (for cg, lissa and datainf one solve per example: expensive); "
+        "lowrank: exact in the curvature's top eigenspace, the rest at its mean eigenvalue; "
+        "auto: exact where it costs at most about half of scoring (direct with few parameters, arnoldi, nystroem, identity, "
+        "K-FAC/EK-FAC, projections), else lowrank; off: not computed.",
+    )
+    self_influence_rank: int = Field(32, ge=1, title="Self-influence rank", description="Rank of the lowrank estimate (auto uses at most half the number of queries, at least 4).")
     report_queries: int = Field(6, ge=1, le=50, title="Queries in report", description="Queries shown in report.png and in the top-k table.")
 
 

@@ -42,12 +42,12 @@ def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, cur
 
 @task(name="compute_influences", cache_policy=stage_policy(scoring.plan), **STAGE_OPTIONS)
 def compute_influences(
-    compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore
+    compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore
 ) -> ScoresRef:
-    """Scores for every (query, training example), one train chunk per Dask task; resumes where it stopped."""
+    """Scores (and self-influences) for every (query, training example), one train chunk per Dask task; resumes where it stopped."""
     thread_safe = METHOD_CLASSES[method.name].thread_safe
     return scoring.run(
-        compute, method, model, data, curvature, factors, store,
+        compute, method, aggregate, model, data, curvature, factors, store,
         client_factory=lambda: dask_client(compute, thread_safe),
         on_progress=ChunkProgress("compute_influences"),
     )

@@ -2,6 +2,11 @@
 
 A model splits its parameters into blocks (all of them, or one per layer); each block gets a `BlockSolver` that
 applies (C_b + λ_b I)⁻¹, so the curvature is block-diagonal with its own λ per block under `layer_wise`.
+
+Every gradient comes from one captured batch (`contraction.Batch`): the inputs and output gradients of the
+Linear/Conv2d layers, plus vmap gradients of any other parameters. Methods whose features are the gradient itself
+(or its rotation, K-FAC) score by contracting query rows with the captures; the others (Arnoldi's eigenbasis,
+projections) form their low-dimensional features from the same batch.
 """
 
 from __future__ import annotations
@@ -14,14 +19,20 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from ..batches import Batches, Data, as_batches, count_rows
+from ..batches import Batches, Data, as_batches
 from ..blocks import BlockCurvature, BlockStructure, Regularization, block_regularization, layer_blocks, make_blocks
+from ..contraction import Batch, GradientSplit, RowOrder, Rows, compress_rows, contract, gradient_batch, materialise
 from ..curvature import CurvatureOperator, SecondOrderMode
 from ..errors import ConfigError
-from ..layers import capture, module_param_names, select_layers
+from ..layers import module_param_names, select_layers
 from ..losses import LossFn
+from ..lowrank import hutchinson_trace, lanczos, nystroem
 from ..objective import Objective
 from ..projection import Projection, Projector, project_batch
+from ..self_influence import SelfInfluenceMode, SelfInfluencePlan, Sketch, Solve, auto_rank, eigen_sketch
+from .feature_covariance import FeatureCovariance
+
+SKETCH_SEED = 0
 
 
 class BlockSolver(ABC):
@@ -43,20 +54,40 @@ class BlockSolver(ABC):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what `state_dict` returned; stateless solvers keep this."""
 
-    def features(self, grads: torch.Tensor) -> torch.Tensor:
-        """The block's per-example representation: its gradient, unless the method compresses it."""
-        return grads
+    def feature_rows(self) -> torch.Tensor | None:
+        """Rows B (k, p_b) when the block's features are B g (a basis), None when they are the gradient itself."""
+        return None
 
     @abstractmethod
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
         """Apply (C_b + λ_b I)⁻¹ to each row of `features`."""
+
+    def curvature_product(self, vectors: torch.Tensor) -> torch.Tensor:
+        """Rows of `vectors` times the matrix this solver inverts (without λ)."""
+        return self.curvature.matmat(vectors)
+
+    @property
+    def product_is_psd(self) -> bool:
+        """Whether that matrix is positive semi-definite by construction."""
+        return self.curvature.psd
+
+    def sketch(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        """Top eigenpairs (values, vectors as columns) of the block's curvature and an estimate of its trace, for the
+        low-rank self-influence estimate: a one-pass Nyström sketch when C is positive semi-definite, Lanczos plus a
+        Hutchinson trace otherwise (the Hessian)."""
+        c = self.curvature
+        if self.product_is_psd:
+            return nystroem(self.curvature_product, c.dim, rank, SKETCH_SEED, c.dtype, c.device)
+        values, vectors = lanczos(self.curvature_product, c.dim, rank, 2 * rank, SKETCH_SEED, c.dtype, c.device)
+        return values, vectors, hutchinson_trace(self.curvature_product, c.dim, rank, SKETCH_SEED, c.dtype, c.device)
 
 
 class InfluenceFunctionModel(ABC):
     """score[t, i] = ∇ℓ(z_t)ᵀ (C + λI)⁻¹ ∇ℓ(z_i); positive means z_i helped the prediction on z_t.
 
     Subclasses choose the curvature approximation through `make_solver`. Results follow the parameters' dtype
-    and device.
+    and device. With `query_rank`, each query's factor is kept per layer as a rank-r product (Kronfluence's
+    `query_gradient_low_rank`), and scores contract those factors.
     """
 
     name: ClassVar[str]
@@ -65,6 +96,7 @@ class InfluenceFunctionModel(ABC):
     # two threads at once; a method that avoids this may declare itself thread-safe.
     thread_safe: ClassVar[bool] = False
     needs_positive_regularization: ClassVar[bool] = False
+    row_order: ClassVar[RowOrder] = "parameters"  # how a layer's columns lie in a factor row
 
     def __init__(
         self,
@@ -78,6 +110,7 @@ class InfluenceFunctionModel(ABC):
         projection: Projection | None = None,
         param_names: Iterable[str] | None = None,
         batch_size: int = 128,
+        query_rank: int | None = None,
     ) -> None:
         self.projector: Projector | None = None
         self.feature_space = projection is not None  # curvature taken in the projected space (TRAK-style)
@@ -89,6 +122,9 @@ class InfluenceFunctionModel(ABC):
             param_names = [p for layer in layers for p in layer.param_names]
         elif param_names is None:
             param_names = module_param_names(model, modules)
+        if query_rank is not None and (query_rank < 1 or projection is not None):
+            raise ConfigError("method.query_rank", f"query_rank={query_rank} with projection={projection}", "use a positive rank, without a projection (projected factors are already small)")
+        self.query_rank = query_rank
         self.objective = Objective(model, loss, param_names)
         self.excluded_parameters = [n for n, p in model.named_parameters() if p.requires_grad and n not in self.objective.space.params]
         self.blocks = self._feature_blocks(block_structure) if self.projector else make_blocks(self.objective.space, block_structure)
@@ -98,7 +134,14 @@ class InfluenceFunctionModel(ABC):
         self.batch_size = batch_size
         self.train: Batches | None = None
         self.solvers: dict[str, BlockSolver] = {}
+        self._split: GradientSplit | None = None
+        self._basis: Rows | None = None
         self._fitted = False
+
+    @property
+    def work(self):  # type: ignore[no-untyped-def]
+        """The work counted so far (gradient rows, curvature products, solves, score flops)."""
+        return self.objective.work
 
     @property
     def feature_dim(self) -> int:
@@ -130,6 +173,7 @@ class InfluenceFunctionModel(ABC):
             operator = CurvatureOperator(self.objective, self.train, self.second_order_mode)
             curvatures = {name: BlockCurvature(operator, sl, name) for name, sl in self.blocks.items()}
         self.solvers = {name: self.make_solver(curvature, self.regularization[name]) for name, curvature in curvatures.items()}
+        self._basis = None
 
     def fit(self, train: Data) -> Self:
         """Compute the curvature state from training data (a DataLoader or an (x, y) tuple)."""
@@ -163,29 +207,53 @@ class InfluenceFunctionModel(ABC):
         if not self._fitted:
             raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(train) first")
 
-    # -- the two halves of a score -----------------------------------------------------------------
+    # -- gradients, once per batch ------------------------------------------------------------------
+    def gradient_split(self, x: torch.Tensor, y: torch.Tensor) -> GradientSplit:
+        """Which parameters come from layer captures and which from vmap (probed once on a few rows of `x`)."""
+        if self._split is None:
+            self._split = GradientSplit(self.objective, (x[:8], y[:8]))
+        return self._split
+
+    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor) -> Batch:
+        """The captured gradients of one batch, in the coordinates the method's features use."""
+        return gradient_batch(self.gradient_split(x, y), x, y, self.objective.work)
+
+    def contracts(self) -> bool:
+        """True when the features are the gradient itself (or its rotation): scores then contract query rows with
+        the captures, and no (n, p) matrix of per-sample gradients is formed."""
+        return self.projector is None and all(solver.feature_rows() is None for solver in self.solvers.values())
+
+    def batch_features(self, batch: Batch) -> torch.Tensor:
+        """Per-example features (n, p') of a captured batch: projected, in the eigenbasis, or the gradient itself."""
+        if self.projector is not None:
+            return project_batch(self.projector, batch.capture)
+        if self.contracts():
+            assert self._split is not None
+            return materialise(batch, self._split, self.row_order, self.objective.space.dim)
+        return contract(self._basis_rows(), batch, self.objective.work).T
+
+    def _basis_rows(self) -> Rows:
+        """The solvers' feature rows, block-diagonal in parameter space, for contracting with captures."""
+        if self._basis is None:
+            assert self._split is not None
+            parts = []
+            for solver, sl in zip(self.solvers.values(), self.blocks.values()):
+                rows = solver.feature_rows()
+                assert rows is not None
+                block = rows.new_zeros(len(rows), self.objective.space.dim)
+                block[:, sl] = rows
+                parts.append(block)
+            self._basis = Rows.from_flat(torch.cat(parts), self._split, "parameters")
+        return self._basis
+
+    def features_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Per-example features (n, p') of (x, y), batch by batch (no fitted state needed for projections)."""
+        return torch.cat([self.batch_features(self.gradient_batch(x[lo : lo + self.batch_size], y[lo : lo + self.batch_size])) for lo in range(0, len(x), self.batch_size)])
+
     def gradient_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Per-example representation (n, p'): the loss gradient, projected or compressed where the method does."""
+        """Per-example representation (n, p'): the loss gradient, projected or in the method's basis where it has one."""
         self._require_fitted()
-        return self._raw_features(x, y)
-
-    def _raw_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        parts = []
-        for start in range(0, len(x), self.batch_size):
-            xb, yb = x[start : start + self.batch_size], y[start : start + self.batch_size]
-            if self.projector is not None:
-                parts.append(project_batch(self.projector, self.capture(xb, yb)))
-            else:
-                grads = self.objective.per_sample_grads(xb, yb)
-                parts.append(self._per_block(grads, self.blocks.values(), lambda s, g: s.features(g)))
-        return torch.cat(parts)
-
-    def capture(self, x: torch.Tensor, y: torch.Tensor):  # type: ignore[no-untyped-def]
-        """Inputs and true-label output gradients of the tracked layers for one batch (counted as gradients)."""
-        assert self.projector is not None
-        x, y = self.objective.to_model(x, y)
-        self.objective.gradient_rows += len(x)
-        return capture(self.objective.model, self.projector.layers, self.objective.loss_fn, x, y)
+        return self.features_of(x, y)
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
         """Apply (C + λI)⁻¹, block by block, to each row of `features` (n, p')."""
@@ -205,12 +273,22 @@ class InfluenceFunctionModel(ABC):
 
     # -- public API ------------------------------------------------------------------------------
     def influence_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """(C + λI)⁻¹ ∇ℓ for each query example: shape (n_test, p')."""
+        """(C + λI)⁻¹ ∇ℓ for each query example: shape (n_test, p'), in the method's feature coordinates (rank-r
+        factors per layer with `query_rank`)."""
+        factors = self._dense_factors(x, y)
+        if self.query_rank is None:
+            return factors
+        return compress_rows(factors, self.gradient_split(x, y), self.row_order, self.query_rank)
+
+    def _dense_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The query factors before any rank-r compression."""
         return self.precondition(self.gradient_features(x, y))
 
     def influences_from_factors(self, factors: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Scores (n_test, n) of the examples (x, y) on the queries behind `factors`."""
-        return factors @ self.gradient_features(x, y).T
+        scores, _ = Scorer(self, factors, None)(x, y)
+        assert scores is not None
+        return scores
 
     def influences(
         self, x_test: torch.Tensor, y_test: torch.Tensor, x: torch.Tensor | None = None, y: torch.Tensor | None = None
@@ -222,17 +300,53 @@ class InfluenceFunctionModel(ABC):
             return torch.cat([self.influences_from_factors(factors, xb, yb) for xb, yb in self.train], dim=1)
         return self.influences_from_factors(factors, x, y)
 
-    def self_influences(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """∇ℓ(z_i)ᵀ (C + λI)⁻¹ ∇ℓ(z_i) for each example: high values flag unusual or mislabelled points."""
-        return self.scores_and_self_influences(None, x, y)[1]
+    def self_influences(self, x: torch.Tensor, y: torch.Tensor, mode: SelfInfluenceMode = "exact", rank: int = 32) -> torch.Tensor:
+        """∇ℓ(z_i)ᵀ (C + λI)⁻¹ ∇ℓ(z_i) for each example: high values flag unusual or mislabelled points. `mode`
+        as in `self_influence_plan`."""
+        _, values = Scorer(self, None, self.self_influence_plan(mode, rank))(x, y)
+        assert values is not None
+        return values
 
-    def scores_and_self_influences(
-        self, factors: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Scores against `factors` and self-influences of (x, y) from a single gradient evaluation."""
-        features = self.gradient_features(x, y)
-        scores = None if factors is None else factors @ features.T
-        return scores, (features * self.precondition(features)).sum(dim=1)
+    # -- self-influence ---------------------------------------------------------------------------
+    def self_influence_plan(self, mode: SelfInfluenceMode = "exact", rank: int = 32, n_queries: int | None = None) -> SelfInfluencePlan:
+        """How self-influences are computed: `exact`; `lowrank`, a rank-`rank` sketch where the exact value needs a
+        solve per example (exact elsewhere); `auto`, exact where that costs no more than about half of scoring
+        `n_queries` queries, else the sketch at `auto_rank`; or `off`."""
+        self._require_fitted()
+        if mode == "off":
+            return None
+        exact = self._exact_self_plan()
+        if mode == "exact" or not isinstance(exact, Solve):
+            return exact
+        if mode == "auto" and self._solve_is_cheap(n_queries):
+            return exact
+        return self._low_rank_self_plan(rank if mode == "lowrank" else auto_rank(rank, n_queries or 2 * rank))
+
+    def _exact_self_plan(self) -> SelfInfluencePlan:
+        """The method's exact form: by default its solver, applied to every example's features."""
+        return Solve()
+
+    def _solve_is_cheap(self, n_queries: int | None) -> bool:
+        """Whether the solve per example costs about half of scoring n_queries queries or less."""
+        return False
+
+    def _low_rank_self_plan(self, rank: int) -> Sketch:
+        """Each block's top-`rank` eigenspace exact, the rest at its mean eigenvalue."""
+        parts = []
+        for solver in self.solvers.values():
+            k = min(rank, solver.feature_dim)
+            values, vectors, trace = solver.sketch(k)
+            parts.append(eigen_sketch(values, vectors, solver.lam, k, trace))
+        return Sketch.from_blocks(parts, self._feature_slices(), sum(s.feature_dim for s in self.solvers.values()))
+
+    def block_norms(self, batch: Batch, features: torch.Tensor | None) -> torch.Tensor:
+        """Squared norms of each block of each example's features (blocks, n), from the features when formed,
+        else from the captures."""
+        slices = self._feature_slices()
+        if features is not None:
+            return torch.stack([(features[:, sl] ** 2).sum(1) for sl in slices])
+        assert self._split is not None
+        return self._split.block_norms(batch, slices, self.objective.work)
 
     # -- per-module scores -------------------------------------------------------------------------
     def module_segments(self) -> dict[str, slice]:
@@ -247,62 +361,8 @@ class InfluenceFunctionModel(ABC):
 
     def influences_by_module(self, x_test: torch.Tensor, y_test: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         """Scores split by the module whose parameters carry them; they sum to `influences`."""
-        factors, features = self.influence_factors(x_test, y_test), self.gradient_features(x, y)
+        factors, features = self._dense_factors(x_test, y_test), self.gradient_features(x, y)
         return {module: factors[:, sl] @ features[:, sl].T for module, sl in self.module_segments().items()}
 
 
-class FeatureCovariance:
-    """The uncentred covariance of the projected training gradients, (1/n) Σ φ_i φ_iᵀ: TRAK's curvature in the
-    projected space. Built in one pass over the data on first use and shared by all blocks."""
-
-    def __init__(self, model: InfluenceFunctionModel) -> None:
-        self.model = model
-        self._matrix: torch.Tensor | None = None
-
-    def matrix(self) -> torch.Tensor:
-        if self._matrix is None:
-            data = self.model.train
-            if data is None:
-                raise RuntimeError("the projected curvature needs the training data: fit(train) first")
-            total = None
-            for x, y in data:
-                f = self.model._raw_features(x, y).to(torch.float64)
-                total = f.T @ f if total is None else total + f.T @ f
-            assert total is not None
-            self._matrix = total / count_rows(data)
-        return self._matrix
-
-    def block(self, sl: slice, name: str) -> "CovarianceBlock":
-        return CovarianceBlock(self, sl, name)
-
-
-class CovarianceBlock:
-    """One block of the projected covariance, with the interface solvers use (dim, dense, matmat, gradient_batches)."""
-
-    def __init__(self, covariance: FeatureCovariance, block: slice, name: str) -> None:
-        self.covariance, self.block, self.name = covariance, block, name
-        self.dim = block.stop - block.start
-
-    def dense(self) -> torch.Tensor:
-        return self.covariance.matrix()[self.block, self.block].to(self.dtype)
-
-    def matmat(self, vectors: torch.Tensor) -> torch.Tensor:
-        return vectors @ self.dense().to(vectors.dtype)
-
-    def gradient_batches(self):  # type: ignore[no-untyped-def]
-        assert self.covariance.model.train is not None
-        for x, y in self.covariance.model.train:
-            yield self.covariance.model._raw_features(x, y)[:, self.block]
-
-    @property
-    def n(self) -> int:
-        assert self.covariance.model.train is not None
-        return count_rows(self.covariance.model.train)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.covariance.model.objective.space.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.covariance.model.objective.space.device
+from .scorer import Scorer  # noqa: E402  (the scorer calls back into the model; imported last to avoid a cycle)

@@ -35,7 +35,7 @@ class CgSolver(BlockSolver):
             probes = (torch.randint(0, 2, (self.probes, c.dim), generator=gen) * 2 - 1).to(dtype=c.dtype, device=c.device)
             self.state = {"diagonal": (probes * c.matmat(probes)).mean(0)}
         elif self.kind == "nystroem":
-            values, basis = nystroem(c.matmat, c.dim, self.rank, self.seed, c.dtype, c.device)
+            values, basis, _ = nystroem(c.matmat, c.dim, self.rank, self.seed, c.dtype, c.device)
             self.state = {"eigenvalues": values, "basis": basis}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -61,6 +61,8 @@ class CgSolver(BlockSolver):
             maxiter=self.maxiter,
             preconditioner=None if self.kind == "none" else self._inverse_preconditioner,
         )
+        self.curvature.work.solves += len(features)
+        self.curvature.work.solver_iterations += self.last_solve.iterations
         return solution
 
 

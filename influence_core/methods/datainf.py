@@ -15,6 +15,16 @@ class DataInfSolver(BlockSolver):
     is an approximation whose error grows with λ small and with layer size: use it layer_wise.
     """
 
+    product_is_psd = True
+
+    def curvature_product(self, vectors: torch.Tensor) -> torch.Tensor:
+        """The empirical Fisher (1/n) Σ g_i g_iᵀ that DataInf inverts approximately; one pass over the gradients."""
+        out = torch.zeros_like(vectors)
+        for grads in self.curvature.gradient_batches():
+            grads = grads.to(vectors.dtype)
+            out += (vectors @ grads.T) @ grads
+        return out / self.curvature.n
+
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
         correction = torch.zeros_like(features)
         n = self.curvature.n
@@ -22,6 +32,7 @@ class DataInfSolver(BlockSolver):
             grads = grads.to(features.dtype)
             weights = (features @ grads.T) / (self.lam + (grads * grads).sum(1))
             correction += weights @ grads / n
+        self.curvature.work.solves += len(features)
         return (features - correction) / self.lam
 
 

@@ -34,6 +34,13 @@ class DirectSolver(BlockSolver):
         solved = torch.cholesky_solve(features.to(torch.float64).T, self.factor.to(features.device)).T
         return solved.to(features.dtype)
 
+    def sketch(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        """All eigenpairs of C = L Lᵀ − λI and its exact trace: the low-rank estimate keeps the top `rank`."""
+        matrix = self.factor @ self.factor.T
+        matrix.diagonal().sub_(self.lam)
+        values, vectors = torch.linalg.eigh((matrix + matrix.T) / 2)
+        return values, vectors, float(values.sum())
+
 
 class DirectInfluence(InfluenceFunctionModel):
     """Exact up to round-off; memory O(p²) and time O(p³) per block, so meant for models up to a few thousand
@@ -43,3 +50,8 @@ class DirectInfluence(InfluenceFunctionModel):
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return DirectSolver(curvature, lam)
+
+    def _solve_is_cheap(self, n_queries: int | None) -> bool:
+        """Two triangular solves cost Σ_b p_b² per example, scoring n_queries·p: cheap up to half of that."""
+        dims = [s.feature_dim for s in self.solvers.values()]
+        return n_queries is not None and sum(d * d for d in dims) <= n_queries * sum(dims) / 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import BlockCurvature
+from ..self_influence import SelfInfluencePlan, Sketch
 from .base import BlockSolver, InfluenceFunctionModel
 
 
@@ -24,3 +25,8 @@ class IdentityInfluence(InfluenceFunctionModel):
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return IdentitySolver(curvature, lam)
+
+    def _exact_self_plan(self) -> SelfInfluencePlan:
+        """‖∇ℓ(z_i)‖²: a sketch with no rows and the identity on everything else."""
+        blocks = len(self.solvers)
+        return Sketch(torch.zeros(0, self.feature_dim), torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.ones(blocks, dtype=torch.float64))

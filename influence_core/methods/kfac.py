@@ -17,11 +17,14 @@ from typing_extensions import Self
 
 from ..batches import Batches, Data, as_batches
 from ..blocks import BlockCurvature, Regularization
+from ..contraction import Batch
+from ..errors import ConfigError
 from ..layers import Capture, FisherKind, TrackedLayer, capture, outer_gradients, select_layers
 from ..losses import LOSSES, LossFn
 from ..noise import ExampleNoise
 from ..objective import Objective
 from ..projection import Projection
+from ..self_influence import Diagonal, SelfInfluencePlan
 from .base import BlockSolver, InfluenceFunctionModel
 
 Sums = dict[str, dict[str, torch.Tensor]]
@@ -97,7 +100,8 @@ def _add(target: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None
 
 
 class KroneckerSolver(BlockSolver):
-    """(F_l + λI)⁻¹ for one layer in the Kronecker eigenbasis: Q_S [(Q_Sᵀ G Q_A) / (Λ + λ)] Q_Aᵀ."""
+    """(F_l + λI)⁻¹ for one layer, diagonal in the Kronecker eigenbasis: features are the gradient's eigen-coordinates
+    Q_Sᵀ G Q_A (an (out, in) matrix, flattened row by row), preconditioned by dividing by Λ + λ."""
 
     def __init__(self, curvature: BlockCurvature, lam: float, layer: TrackedLayer) -> None:
         super().__init__(curvature, lam)
@@ -109,22 +113,21 @@ class KroneckerSolver(BlockSolver):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.q_a, self.q_s, self.eigenvalues = state["q_a"], state["q_s"], state["eigenvalues"]
 
-    def rotate(self, matrices: torch.Tensor) -> torch.Tensor:
-        """Gradient matrices (n, out, in) into eigen-coordinates."""
-        return self.q_s.T.to(matrices.dtype) @ matrices @ self.q_a.to(matrices.dtype)
+    def rotate(self, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Captured inputs and output gradients into the eigenbasis, so that Σ_t (Q_Sᵀg_t)(Q_Aᵀa_t)ᵀ = Q_Sᵀ G Q_A:
+        O(T·(out² + in²)) per example, never rotating a formed (out × in) matrix."""
+        return a @ self.q_a.to(a.dtype), g @ self.q_s.to(g.dtype)
 
     def damped(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.eigenvalues + self.lam).to(dtype)
 
     def whiten(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """(F_l + λI)^(-1/2) applied to captured gradients, in eigen-coordinates:
+        """(F_l + λI)^(-1/2) applied to rotated captures, in eigen-coordinates:
         ⟨whiten(z), whiten(z')⟩ = vec(G)ᵀ (F_l + λI)⁻¹ vec(G')."""
-        return eigen_gradients(a, g, self.q_a, self.q_s) / self.damped(a.dtype).sqrt()
+        return outer_gradients(g, a) / self.damped(a.dtype).sqrt()
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
-        dtype = features.dtype
-        scaled = self.rotate(self.layer.to_matrix(features)) / self.damped(dtype)
-        return self.layer.to_flat(self.q_s.to(dtype) @ scaled @ self.q_a.T.to(dtype))
+        return features / self.damped(features.dtype).reshape(-1)
 
 
 class KfacInfluence(InfluenceFunctionModel):
@@ -137,6 +140,7 @@ class KfacInfluence(InfluenceFunctionModel):
 
     name = "kfac"
     eigen_correction = False
+    row_order = "matrix"
 
     def __init__(
         self,
@@ -149,10 +153,13 @@ class KfacInfluence(InfluenceFunctionModel):
         fisher: FisherKind | None = None,
         seed: int = 0,
         batch_size: int = 128,
+        query_rank: int | None = None,
     ) -> None:
         self.layers = select_layers(model, modules)
         names = [p for layer in self.layers for p in layer.param_names]
-        super().__init__(model, loss, regularization, second_order_mode="gauss_newton", block_structure="layer_wise", param_names=names, batch_size=batch_size)
+        if query_rank is not None and projection is not None:
+            raise ConfigError("method.query_rank", "query_rank with a projection", "leave query_rank empty: projected factors are already small")
+        super().__init__(model, loss, regularization, second_order_mode="gauss_newton", block_structure="layer_wise", param_names=names, batch_size=batch_size, query_rank=query_rank)
         self.projector = projection.build(self.layers) if projection is not None else None
         self.fisher: FisherKind = fisher or ("sampled" if self.objective.loss_fn is LOSSES["cross_entropy"] else "exact")
         self.seed = seed
@@ -199,48 +206,35 @@ class KfacInfluence(InfluenceFunctionModel):
             solver.load_state_dict(state[name])
         self._fitted = True
 
-    # -- with a projection -----------------------------------------------------------------------------
-    # The curvature stays in full per-layer space. Both sides are whitened in the Kronecker eigenbasis,
-    # w = (F + λI)^(-1/2) g, and then projected (Gaussian, Rademacher, or LoGra's Φ_out ⊗ Φ_in), so
-    # score ≈ ⟨Φ w_t, Φ w_i⟩ with a projection error relative to whitened norms, and query factors and training
-    # features take dim coordinates per layer. Self-influence is ‖w_i‖², exact.
+    # -- scoring in the eigenbasis -------------------------------------------------------------------
+    # Captures are rotated into each layer's eigenbasis as they are taken, so features, query factors and scores
+    # all live there: factors are (Q_Sᵀ G Q_A) / (Λ + λ) (no rotation back), self-influence is Σ (Q_Sᵀ G Q_A)²/(Λ + λ).
+    # With a projection, both sides are whitened, w = (F + λI)^(-1/2) g, then projected (Gaussian, Rademacher, or
+    # LoGra's Φ_out ⊗ Φ_in), so score ≈ ⟨Φ w_t, Φ w_i⟩ and self-influence stays exact.
 
-    def _whitened(self, x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Per micro-batch: projected whitened gradients (rows, Σ dims) and exact self-influences (rows,)."""
-        assert self.projector is not None
-        for start in range(0, len(x), self.batch_size):
-            cap = self.capture(x[start : start + self.batch_size], y[start : start + self.batch_size])
-            rows = len(next(iter(cap.a.values())))
-            parts, self_inf = [], torch.zeros(rows, dtype=self.objective.space.dtype, device=self.objective.space.device)
-            for i, layer in enumerate(self.layers):
-                solver = self.solvers[layer.block]
-                a, g = cap.a[layer.name], cap.g[layer.name][0]
-                projected = []
-                for sl in row_slices(rows, layer, a.element_size()):
-                    white = solver.whiten(a[sl], g[sl])
-                    self_inf[sl] += (white**2).sum(dim=(1, 2))
-                    projected.append(self.projector.project_matrices(layer, i, white))
-                parts.append(torch.cat(projected))
-            yield torch.cat(parts, dim=1), self_inf
+    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor) -> Batch:
+        batch = super().gradient_batch(x, y)
+        inputs, grads = {}, {}
+        for layer in self.layers:
+            inputs[layer.name], g = self.solvers[layer.block].rotate(batch.a(layer.name), batch.g(layer.name))  # type: ignore[attr-defined]
+            grads[layer.name] = [g]
+        return Batch(Capture(inputs, grads), batch.rest, batch.n, batch.dtype, batch.device)
 
-    def gradient_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def batch_features(self, batch: Batch) -> torch.Tensor:
         if self.projector is None:
-            return super().gradient_features(x, y)
-        self._require_fitted()
-        return torch.cat([features for features, _ in self._whitened(x, y)])
+            return super().batch_features(batch)
+        parts = []
+        for i, layer in enumerate(self.layers):
+            solver, a, g = self.solvers[layer.block], batch.a(layer.name), batch.g(layer.name)
+            parts.append(torch.cat([self.projector.project_matrices(layer, i, solver.whiten(a[sl], g[sl])) for sl in row_slices(batch.n, layer, a.element_size())]))  # type: ignore[attr-defined]
+        return torch.cat(parts, dim=1)
 
-    def influence_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _dense_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """With a projection the factors are the queries' projected whitened gradients (the split is symmetric)."""
-        return self.gradient_features(x, y) if self.projector is not None else super().influence_factors(x, y)
+        return self.gradient_features(x, y) if self.projector is not None else super()._dense_factors(x, y)
 
-    def scores_and_self_influences(self, factors: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One capture per batch gives both the projected features and the exact self-influences."""
-        if self.projector is None:
-            return super().scores_and_self_influences(factors, x, y)
-        self._require_fitted()
-        pieces = list(self._whitened(x, y))
-        features = torch.cat([f for f, _ in pieces])
-        return (None if factors is None else factors @ features.T), torch.cat([s for _, s in pieces])
+    def _exact_self_plan(self) -> SelfInfluencePlan:
+        return Diagonal({layer.name: 1.0 / self.solvers[layer.block].damped(torch.float64) for layer in self.layers})  # type: ignore[attr-defined]
 
 
 def factor_bases(values: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,8 @@ class LissaSolver(BlockSolver):
         total = torch.zeros_like(features)
         for _ in range(self.repeats):
             total += self._one_run(features, sampler)
+        self.curvature.work.solves += len(features)
+        self.curvature.work.solver_iterations += sum(self.iterations[-self.repeats :])
         return total / (self.repeats * self.scale)
 
 

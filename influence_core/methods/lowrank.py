@@ -7,6 +7,7 @@ import torch
 from ..blocks import BlockCurvature
 from ..errors import ConfigError
 from ..lowrank import lanczos, nystroem
+from ..self_influence import Diagonal, SelfInfluencePlan, Sketch, eigen_sketch
 from .base import BlockSolver, InfluenceFunctionModel
 
 
@@ -40,11 +41,14 @@ class ArnoldiSolver(BlockSolver):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.values, self.vectors = state["eigenvalues"], state["eigenvectors"]
 
-    def features(self, grads: torch.Tensor) -> torch.Tensor:
-        return grads @ self.vectors.to(grads.dtype)
+    def feature_rows(self) -> torch.Tensor:
+        return self.vectors.T
+
+    def inverse_eigenvalues(self) -> torch.Tensor:
+        return 1.0 / (self.values + self.lam)
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
-        return features / (self.values.to(features.dtype) + self.lam)
+        return features * self.inverse_eigenvalues().to(features.dtype)
 
 
 class NystroemSolver(BlockSolver):
@@ -58,7 +62,7 @@ class NystroemSolver(BlockSolver):
 
     def fit(self) -> None:
         c = self.curvature
-        self.values, self.basis = nystroem(c.matmat, c.dim, self.rank, self.seed, c.dtype, c.device)
+        self.values, self.basis, _ = nystroem(c.matmat, c.dim, self.rank, self.seed, c.dtype, c.device)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"eigenvalues": self.values, "basis": self.basis}
@@ -83,6 +87,8 @@ class ArnoldiInfluence(InfluenceFunctionModel):
     name = "arnoldi"
 
     def __init__(self, *args, rank: int = 10, krylov_dim: int | None = None, seed: int = 0, **kwargs) -> None:
+        if kwargs.get("query_rank") is not None:
+            raise ConfigError("method.query_rank", "Arnoldi's query factors already live in its rank-r eigenbasis", "leave query_rank empty with arnoldi")
         super().__init__(*args, **kwargs)
         self.rank, self.krylov_dim, self.seed = check_rank(rank, self.feature_dim), krylov_dim, seed
         if krylov_dim is not None and krylov_dim < rank:
@@ -90,6 +96,10 @@ class ArnoldiInfluence(InfluenceFunctionModel):
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return ArnoldiSolver(curvature, lam, self.rank, self.krylov_dim, self.seed)
+
+    def _exact_self_plan(self) -> SelfInfluencePlan:
+        """Diagonal in the eigenbasis: Σ_k (v_kᵀ g)² / (μ_k + λ), exact for the rank-r model."""
+        return Diagonal({"features": torch.cat([s.inverse_eigenvalues() for s in self.solvers.values()])})  # type: ignore[attr-defined]
 
 
 class NystroemSketchInfluence(InfluenceFunctionModel):
@@ -104,3 +114,8 @@ class NystroemSketchInfluence(InfluenceFunctionModel):
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return NystroemSolver(curvature, lam, self.rank, self.seed)
+
+    def _exact_self_plan(self) -> SelfInfluencePlan:
+        """The method's own inverse is a sketch: its eigenpairs, and 1/λ on the complement."""
+        parts = [eigen_sketch(s.values, s.basis, s.lam, len(s.values), None) for s in self.solvers.values()]  # type: ignore[attr-defined]
+        return Sketch.from_blocks(parts, self._feature_slices(), self.feature_dim)

@@ -39,7 +39,7 @@ def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: Stag
         out[lo:hi] = f.cpu().numpy()
     assert out is not None
     out.attrs["fingerprint"] = loc.key
-    return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype)}
+    return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype), "work": im.work.as_dict()}
 
 
 def run(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int) -> StageRef:

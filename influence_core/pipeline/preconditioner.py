@@ -97,7 +97,7 @@ def _fit(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, cl
         im.fit(batches)
     url = loc.path("curvature.pt")
     save_tensors(url, im.state_dict(), store.options)
-    return {"url": url, "fingerprint": loc.key, "shape": (im.objective.space.dim,), "dtype": model.dtype}
+    return {"url": url, "fingerprint": loc.key, "shape": (im.objective.space.dim,), "dtype": model.dtype, "work": im.work.as_dict()}
 
 
 def run(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec, client_factory: Callable[[], Any]) -> StageRef:

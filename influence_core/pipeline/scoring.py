@@ -1,9 +1,9 @@
 """Stage 5: scores (n_test, n_train) in one pass over the training data, one shard per task, resumable.
 
-The array is created first; each task reads its own rows of the training set from the store, evaluates their
-gradients once, multiplies them with all query factors, writes its shard and self-influences, then leaves a
-marker. A rerun submits only the chunks without a marker. The fingerprint attribute, which makes the output
-count as complete, is written after the last chunk.
+The array is created first; each task reads its own rows of the training set from the store, captures their
+gradients once, contracts them with all query factors (and the self-influence plan), writes its shard and
+self-influences, then leaves a marker. A rerun submits only the chunks without a marker. The fingerprint
+attribute, which makes the output count as complete, is written after the last chunk.
 """
 
 from __future__ import annotations
@@ -20,12 +20,17 @@ import zarr
 from distributed import Client, as_completed
 
 from .. import storage
+from ..errors import ConfigError
 from ..layout import ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
+from ..methods.scorer import Scorer
+from ..models import load_state
 from ..refs import DataRef, ModelRef, ScoresRef, StageRef
-from ..specs import ComputeSpec, MethodSpec
+from ..self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
+from ..specs import AggregateSpec, ComputeSpec, MethodSpec
 from ..threads import TASK_THREADS, torch_threads
-from .loading import load_influence_model, open_data
+from ..work import Work
+from .loading import load_influence_model, open_data, save_tensors
 from .stage import StageCall, StageLocation
 from .store import RunStore
 
@@ -45,20 +50,23 @@ class ScoreJob:
     layout: ScoreLayout
     influence_url: str
     markers_url: str
+    plan_url: str  # the self-influence plan, computed once by the driver
     options: dict[str, Any]
 
 
 class _Scorer:
-    """What a worker keeps between tasks: the fitted influence model, the query factors, open arrays."""
+    """What a worker keeps between tasks: the fitted influence model, the scorer of the query factors, open arrays."""
 
     def __init__(self, job: ScoreJob) -> None:
         self.im: InfluenceFunctionModel = load_influence_model(job.method, job.model, job.data, job.curvature, job.options)
-        factors = np.asarray(storage.open_array(job.factors.url, job.options)[:])
-        self.factors = torch.from_numpy(factors).to(self.im.objective.space.device)
+        factors = torch.from_numpy(np.asarray(storage.open_array(job.factors.url, job.options)[:])).to(self.im.objective.space.device)
+        plan = plan_from_state(load_state(job.plan_url, job.options, field="self_influence_plan"))
+        self.scorer = Scorer(self.im, factors, plan)
         arrays = open_data(job.data, job.options)
         self.x, self.y = arrays["x_train"], arrays["y_train"]
         group = storage.open_group(job.influence_url, job.options, mode="a")
-        self.scores, self.self_influence = group["scores"], group["self_influence"]
+        self.scores = group["scores"]
+        self.self_influence = group["self_influence"] if plan is not None else None
 
 
 _SCORERS: OrderedDict[str, _Scorer] = OrderedDict()
@@ -75,58 +83,71 @@ def _scorer(job: ScoreJob) -> _Scorer:
         return _SCORERS[job.key]
 
 
-def score_chunk(job: ScoreJob, index: int) -> int:
+def score_chunk(job: ScoreJob, index: int) -> dict[str, float]:
     """Score training rows of chunk `index` against every query; write the shard, then the marker.
 
-    Returns the number of per-sample gradients this evaluated.
+    Returns the work this did (gradients captured, flops, and any solves of an exact self-influence).
     """
     with torch_threads(TASK_THREADS):  # the same arithmetic on every cluster kind, sequential included
         scorer = _scorer(job)
-        before = scorer.im.objective.gradient_rows
+        before = scorer.im.work.copy()
         _score_chunk(scorer, job, index)
-        return scorer.im.objective.gradient_rows - before
+        return (scorer.im.work - before).as_dict()
 
 
 def _score_chunk(scorer: _Scorer, job: ScoreJob, index: int) -> None:
     lo, hi = job.layout.bounds(index)
     x = torch.from_numpy(np.asarray(scorer.x[lo:hi]))
     y = torch.from_numpy(np.asarray(scorer.y[lo:hi]))
-    block = np.empty((job.layout.n_test, hi - lo), dtype=np.float32)
-    self_block = np.empty(hi - lo, dtype=np.float32)
-    step = scorer.im.batch_size
-    for start in range(0, hi - lo, step):
-        part = slice(start, start + step)
-        scores, self_inf = scorer.im.scores_and_self_influences(scorer.factors, x[part], y[part])
-        assert scores is not None
-        block[:, part] = scores.detach().cpu().numpy()
-        self_block[part] = self_inf.detach().cpu().numpy()
-    scorer.scores[:, lo:hi] = block
-    scorer.self_influence[lo:hi] = self_block
+    scores, self_inf = scorer.scorer(x, y)
+    assert scores is not None
+    scorer.scores[:, lo:hi] = scores.detach().cpu().numpy().astype(np.float32)
+    if scorer.self_influence is not None:
+        assert self_inf is not None
+        scorer.self_influence[lo:hi] = self_inf.detach().cpu().numpy().astype(np.float32)
     storage.write_bytes(storage.join(job.markers_url, str(index)), b"", job.options)
 
 
-def plan(compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore) -> StageCall[ScoresRef]:
+def plan(compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore) -> StageCall[ScoresRef]:
     config = {
         "output_url": store.output_url,
         "train_chunk_rows": compute.train_chunk_rows,
         "target_shard_mb": compute.target_shard_mb,
         "method": method.model_dump(mode="json"),
+        "self_influence": {"mode": aggregate.self_influence, "rank": aggregate.self_influence_rank},
     }
     inputs = {"model": model, "data": data, "curvature": curvature, "factors": factors}
-    return StageCall("compute_influences", ScoresRef, config, inputs, store)
+    return StageCall("compute_influences", ScoresRef, config, inputs, store, compute.torch_threads)
 
 
-def _prepare_arrays(job: ScoreJob) -> zarr.Group:
+def _self_influence_plan(job: ScoreJob, aggregate: AggregateSpec, work: Work) -> SelfInfluencePlan:
+    """The plan of this job: read back when an interrupted run already stored it, else computed here (a low-rank
+    sketch costs curvature products, added to `work`) and stored for the workers."""
+    try:
+        return plan_from_state(load_state(job.plan_url, job.options, field="self_influence_plan"))
+    except ConfigError:  # not stored yet, or cut short by a crash
+        pass
+    im = load_influence_model(job.method, job.model, job.data, job.curvature, job.options)
+    made = im.self_influence_plan(aggregate.self_influence, aggregate.self_influence_rank, n_queries=job.layout.n_test)
+    work += im.work
+    save_tensors(job.plan_url, plan_state(made), job.options)
+    return made
+
+
+def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
     """Create the output arrays, or keep them when they belong to this job (a resumed run)."""
     group = storage.open_group(job.influence_url, job.options, mode="a")
     group.attrs["status"] = "running"
     existing = group.get("scores")
-    if existing is not None and existing.attrs.get("job") == job.key and "self_influence" in group:
+    if existing is not None and existing.attrs.get("job") == job.key and ("self_influence" in group) == with_self_influence:
         return group
     storage.remove(job.markers_url, job.options)
     layout = job.layout
     group.create_array("scores", shape=(layout.n_test, layout.n_train), chunks=layout.chunk, shards=layout.shard, dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key})
-    group.create_array("self_influence", shape=(layout.n_train,), chunks=(layout.train_rows,), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key})
+    if with_self_influence:
+        group.create_array("self_influence", shape=(layout.n_train,), chunks=(layout.train_rows,), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key})
+    elif "self_influence" in group:
+        del group["self_influence"]  # a self-influence of another configuration must not survive beside these scores
     return group
 
 
@@ -136,30 +157,32 @@ def pending_chunks(job: ScoreJob) -> list[int]:
     return [i for i in range(job.layout.n_tasks) if i not in done]
 
 
-def execute(job: ScoreJob, chunks: list[int], client: Client | None, on_progress: Progress | None = None) -> int:
-    """Run the chunk tasks, on the cluster or here; report (done, total) as they finish; return gradients evaluated."""
-    total, done, gradients = job.layout.n_tasks, job.layout.n_tasks - len(chunks), 0
+def execute(job: ScoreJob, chunks: list[int], client: Client | None, on_progress: Progress | None = None) -> Work:
+    """Run the chunk tasks, on the cluster or here; report (done, total) as they finish; return the work done."""
+    total, done, work = job.layout.n_tasks, job.layout.n_tasks - len(chunks), Work()
     if client is None:
-        results: Iterator[int] = (score_chunk(job, index) for index in chunks)
+        results: Iterator[dict[str, float]] = (score_chunk(job, index) for index in chunks)
     else:
         futures = client.map(score_chunk, [job] * len(chunks), chunks, pure=False, retries=2)
         results = (future.result() for future in as_completed(futures))
-    for evaluated in results:
-        gradients += evaluated
+    for counted in results:
+        work += Work(**counted)
         done += 1
         if on_progress:
             on_progress(done, total)
-    return gradients
+    return work
 
 
-def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
-    group = _prepare_arrays(job)
+def _compute(job: ScoreJob, aggregate: AggregateSpec, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
+    work = Work()
+    self_plan = _self_influence_plan(job, aggregate, work)
+    group = _prepare_arrays(job, self_plan is not None)
     chunks = pending_chunks(job)
-    gradients = 0
     if chunks:
         with client_factory() as client:
-            gradients = execute(job, chunks, client, on_progress)
-    group["self_influence"].attrs["fingerprint"] = job.key
+            work += execute(job, chunks, client, on_progress)
+    if self_plan is not None:
+        group["self_influence"].attrs["fingerprint"] = job.key
     group["scores"].attrs["fingerprint"] = job.key
     return {
         "url": storage.join(job.influence_url, "scores"),
@@ -168,13 +191,16 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
         "dtype": "float32",
         "n_chunks": job.layout.n_tasks,
         "chunks_computed": len(chunks),
-        "gradient_rows": gradients,
+        "gradient_rows": work.gradient_rows,
+        "work": work.as_dict(),
+        "self_influence": {"mode": aggregate.self_influence, **describe(self_plan)},
     }
 
 
 def run(
     compute: ComputeSpec,
     method: MethodSpec,
+    aggregate: AggregateSpec,
     model: ModelRef,
     data: DataRef,
     curvature: StageRef,
@@ -184,12 +210,13 @@ def run(
     on_progress: Progress | None = None,
 ) -> ScoresRef:
     """Compute (or finish computing) the scores; `client_factory()` is a context manager yielding a Dask client or None."""
-    call = plan(compute, method, model, data, curvature, factors, store)
-    job = make_job(call, compute, method, model, data, curvature, factors, store)
-    return call.run(lambda loc: _compute(job, client_factory, on_progress, loc))
+    call = plan(compute, method, aggregate, model, data, curvature, factors, store)
+    job = make_job(call, compute, data, method, model, curvature, factors, store)
+    return call.run(lambda loc: _compute(job, aggregate, client_factory, on_progress, loc))
 
 
-def make_job(call: StageCall[ScoresRef], compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore) -> ScoreJob:
+def make_job(call: StageCall[ScoresRef], compute: ComputeSpec, data: DataRef, method: MethodSpec, model: ModelRef, curvature: StageRef, factors: StageRef, store: RunStore) -> ScoreJob:
     """The per-task payload: refs, the layout and where to write; never data."""
     layout = score_layout(data.n_test, data.n_train, compute.target_shard_mb, compute.train_chunk_rows)
-    return ScoreJob(call.key, method, model, data, curvature, factors, layout, store.influence_url, call.location.path("done"), store.options)
+    location = call.location
+    return ScoreJob(call.key, method, model, data, curvature, factors, layout, store.influence_url, location.path("done"), location.path("self_influence_plan.pt"), store.options)

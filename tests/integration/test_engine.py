@@ -30,13 +30,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def slow_params(output_url: str, cluster: str = "sequential", **extra):
-    """CG with self-influence: each 32-row chunk takes a noticeable moment, so a run can be interrupted."""
+    """CG with exact self-influence (one CG solve per training example): each 32-row chunk takes a noticeable
+    moment, so a run can be interrupted."""
     return small_params(
         output_url,
         dataset={"n_train": 400, "n_test": 8, "chunk_rows": 128},
         model={"hidden": [16]},
         method={"name": "cg", "regularization": 1e-2, "rtol": 1e-6},
         compute={"cluster": cluster, "train_chunk_rows": 32, **extra},
+        aggregate={"top_k": 4, "report_queries": 3, "self_influence": "exact"},
     )
 
 
@@ -52,7 +54,7 @@ def upstream(params):
 def score(params, client_factory=None):
     store, data, model, curvature, facts = upstream(params)
     factory = client_factory or (lambda: dask_client(params.compute, False))
-    return scoring.run(params.compute, params.method, model, data, curvature, facts, store, factory), store
+    return scoring.run(params.compute, params.method, params.aggregate, model, data, curvature, facts, store, factory), store
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +80,8 @@ def test_every_cluster_kind_gives_identical_scores(reference, dask_address, tmp_
 def test_tasks_carry_refs_not_training_data(reference):
     params, _, _ = reference
     store, data, model, curvature, facts = upstream(params)
-    call = scoring.plan(params.compute, params.method, model, data, curvature, facts, store)
-    job = scoring.make_job(call, params.compute, params.method, model, data, curvature, facts, store)
+    call = scoring.plan(params.compute, params.method, params.aggregate, model, data, curvature, facts, store)
+    job = scoring.make_job(call, params.compute, data, params.method, model, curvature, facts, store)
     payload = cloudpickle.dumps((scoring.score_chunk, job, 3))
     x_train = np.asarray(open_data(data, store.options)["x_train"][...])
     assert len(payload) < 16_000 < x_train.nbytes

@@ -1,0 +1,78 @@
+"""Scores of training examples against fixed query factors, and their self-influences, batch by batch.
+
+Each batch is captured once; scores and self-influences come from the same captures. Methods that contract
+(features = the gradient or its rotation) never form per-sample gradients; the others form their small features.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..contraction import Batch, Rows, contract, factor_rows, weighted_squares
+from ..self_influence import Diagonal, SelfInfluencePlan, Sketch, Solve
+
+if TYPE_CHECKING:
+    from .base import InfluenceFunctionModel
+
+
+class Scorer:
+    """Callable on (x, y): (scores (n_queries, n) or None without factors, self-influences (n,) or None when off)."""
+
+    def __init__(self, im: "InfluenceFunctionModel", factors: torch.Tensor | None, plan: SelfInfluencePlan) -> None:
+        im._require_fitted()
+        self.im, self.factors, self.plan = im, factors, plan
+        self._rows: Rows | None = None
+        self._sketch_rows: Rows | None = None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        scores, values = [], []
+        for lo in range(0, len(x), self.im.batch_size):
+            batch = self.im.gradient_batch(x[lo : lo + self.im.batch_size], y[lo : lo + self.im.batch_size])
+            s, v = self.batch(batch)
+            scores.append(s)
+            values.append(v)
+        return (None if self.factors is None else torch.cat(scores, dim=1)), (None if self.plan is None else torch.cat(values))
+
+    def batch(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Scores and self-influences of one captured batch."""
+        features = None if self.im.contracts() else self.im.batch_features(batch)
+        scores = None
+        if self.factors is not None:
+            scores = contract(self.rows(), batch, self.im.work) if features is None else self._gemm(self.factors, features)
+        return scores, (None if self.plan is None else self._self_influences(batch, features))
+
+    def rows(self) -> Rows:
+        if self._rows is None:
+            assert self.factors is not None and self.im._split is not None
+            self._rows = factor_rows(self.factors, self.im._split, self.im.row_order, self.im.query_rank)
+        return self._rows
+
+    def _gemm(self, left: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        self.im.work.score_flops += 2.0 * left.shape[0] * features.shape[0] * features.shape[1]
+        return left.to(features.dtype) @ features.T
+
+    def _self_influences(self, batch: Batch, features: torch.Tensor | None) -> torch.Tensor:
+        plan = self.plan
+        if isinstance(plan, Diagonal):
+            if "features" in plan.weights:
+                assert features is not None
+                return (features**2) @ plan.weights["features"].to(features.dtype)
+            return weighted_squares(plan.weights, batch, self.im.work)
+        if isinstance(plan, Sketch):
+            return plan.evaluate(self._sketch_coordinates(plan, batch, features), self.im.block_norms(batch, features))
+        assert isinstance(plan, Solve)
+        full = features if features is not None else self.im.batch_features(batch)
+        return (full * self.im.precondition(full)).sum(1)
+
+    def _sketch_coordinates(self, plan: Sketch, batch: Batch, features: torch.Tensor | None) -> torch.Tensor:
+        """u_kᵀφ for the sketch's rows: a GEMM on formed features, else a contraction with the captures."""
+        if len(plan.rows) == 0:
+            return torch.zeros(0, batch.n, dtype=batch.dtype, device=batch.device)
+        if features is not None:
+            return self._gemm(plan.rows, features)
+        if self._sketch_rows is None:
+            assert self.im._split is not None
+            self._sketch_rows = Rows.from_flat(plan.rows.to(batch.dtype), self.im._split, self.im.row_order)
+        return contract(self._sketch_rows, batch, self.im.work)

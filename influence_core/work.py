@@ -1,0 +1,40 @@
+"""What a computation did, counted where it happens, so no cost hides behind a stage's wall time."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class Work:
+    """Counters of the units of work every method is made of; stages report their sums in summary.json.
+
+    - gradient_rows: examples whose loss gradient was evaluated (per-sample gradients, or one captured
+      forward/backward pass per example);
+    - product_rows: (vector, example) pairs in curvature-vector products (a product with the mean curvature of n
+      examples counts n);
+    - solves: right-hand sides solved by an iterative method (CG, LiSSA, DataInf), and solver_iterations their
+      iterations summed over solver calls;
+    - score_flops: floating-point operations of the contractions that turn gradients into scores and
+      self-influences (GEMMs and the reductions beside them).
+    """
+
+    gradient_rows: int = 0
+    product_rows: int = 0
+    solves: int = 0
+    solver_iterations: int = 0
+    score_flops: float = 0.0
+
+    def __iadd__(self, other: "Work") -> "Work":
+        for field in fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+        return self
+
+    def __sub__(self, other: "Work") -> "Work":
+        return Work(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def copy(self) -> "Work":
+        return Work(**asdict(self))
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
