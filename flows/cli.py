@@ -19,6 +19,7 @@ from influence_core.pipeline.verify import verify_run
 from influence_core.report import QueryRow
 from influence_core.specs import StorageSpec
 
+from .messages import validation_lines
 from .parameters import RunParameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Influence functions for PyTorch models at scale: which training examples made the model predict this?")
@@ -53,8 +54,7 @@ def parse_parameters(config: dict[str, Any]) -> RunParameters:
     try:
         return RunParameters.model_validate(config)
     except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in exc.errors()]
-        raise fail(["Invalid parameters:", *lines], 2) from None
+        raise fail(["Invalid parameters:", *validation_lines(exc, RunParameters)], 2) from None
 
 
 def load_config(path: Path) -> dict[str, Any]:
@@ -172,7 +172,7 @@ def open_store(output_url: str, endpoint_url: str | None) -> RunStore:
     try:
         return RunStore(output_url=output_url, storage=StorageSpec(endpoint_url=endpoint_url))
     except ValidationError as exc:
-        raise fail([f"output_url: {err['msg']}" for err in exc.errors()], 2) from None
+        raise fail(validation_lines(exc, RunStore), 2) from None
 
 
 if __name__ == "__main__":
