@@ -163,7 +163,7 @@ def verify(
     console.print(table)
     failed = [check.name for check in checks if not check.ok]
     if failed:
-        raise fail([f"output_url: {len(failed)} of {len(checks)} checks failed: {', '.join(failed)}"], 1)
+        raise fail([f"output_url: {len(failed)} of {len(checks)} checks failed: {', '.join(failed)}. Fix: run the pipeline there again with the same parameters"], 1)
     console.print(f"All {len(checks)} checks passed.")
 
 
