@@ -11,6 +11,7 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from influence_core.errors import ConfigError
 from influence_core.pipeline.publish import read_run
@@ -159,7 +160,7 @@ def verify(
     for column in ("check", "result", "detail"):
         table.add_column(column)
     for check in checks:
-        table.add_row(check.name, "[green]ok[/green]" if check.ok else "[red]FAIL[/red]", check.detail)
+        table.add_row(check.name, "[green]ok[/green]" if check.ok else "[red]FAIL[/red]", Text(check.detail))  # details hold brackets: no markup
     console.print(table)
     failed = [check.name for check in checks if not check.ok]
     if failed:
