@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -10,12 +11,16 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from influence_core.errors import ConfigError
 from influence_core.pipeline.publish import read_run
 from influence_core.pipeline.store import RunStore
+from influence_core.pipeline.verify import verify_run
 from influence_core.report import QueryRow
 from influence_core.specs import StorageSpec
 
+from .messages import validation_lines
 from .parameters import RunParameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Influence functions for PyTorch models at scale: which training examples made the model predict this?")
@@ -38,14 +43,34 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
     return config
 
 
+def fail(lines: list[str], code: int) -> typer.Exit:
+    """Print each problem on one line, unwrapped and without markup, and return the exit to raise."""
+    for line in lines:
+        console.print(line, style="red", markup=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
 def parse_parameters(config: dict[str, Any]) -> RunParameters:
     """Validate, turning pydantic's report into one line per bad field with its dotted name."""
     try:
         return RunParameters.model_validate(config)
     except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in exc.errors()]
-        console.print("[red]Invalid parameters:[/red]\n" + "\n".join(lines))
-        raise typer.Exit(2) from None
+        raise fail(["Invalid parameters:", *validation_lines(exc, RunParameters)], 2) from None
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """The YAML mapping at `path`; a missing file or invalid YAML is an invalid parameter (exit 2)."""
+    if not path.is_file():
+        raise fail([f"--config: {str(path)!r} is not a file. Fix: give the path of a YAML file of RunParameters (see configs/)"], 2)
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise fail([f"--config: {str(path)!r} is not valid YAML{at} ({getattr(exc, 'problem', None) or exc}). Fix: correct the YAML syntax there"], 2) from None
+    if not isinstance(loaded, dict):
+        raise fail([f"--config: {str(path)!r} holds a {type(loaded).__name__}, not a mapping. Fix: write RunParameters fields as `key: value` lines"], 2)
+    return loaded
 
 
 def print_table(rows: list[QueryRow], title: str) -> None:
@@ -60,11 +85,27 @@ def print_table(rows: list[QueryRow], title: str) -> None:
     console.print(table)
 
 
+class ConfigErrorWithoutTraceback(logging.Filter):
+    """Prefect logs a failed run's exception with its traceback; for bad input the message says it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ConfigError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def execute(params: RunParameters) -> None:
     """Run the flow, then print the top-k table and where the outputs are."""
     from .influence_run import influence_run  # imported late: importing prefect is slow, and --help should not be
 
-    summary = influence_run(params)
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ConfigErrorWithoutTraceback) for f in logger.filters):
+            logger.addFilter(ConfigErrorWithoutTraceback())
+    try:
+        summary = influence_run(params)
+    except ConfigError as exc:  # bad input found by the preflight or a stage: one line, no traceback
+        raise fail([str(exc)], 1) from None
     _, rows = read_run(params.store(), params.aggregate.report_queries)
     print_table(rows, f"Top training examples for the first {len(rows)} queries (score > 0: helpful)")
     for name, stage in summary["stages"].items():
@@ -76,14 +117,11 @@ def execute(params: RunParameters) -> None:
 
 @app.command()
 def run(
-    config: Annotated[Path, typer.Option("--config", "-c", exists=True, dir_okay=False, help="YAML file of RunParameters (see configs/).")],
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML file of RunParameters (see configs/).")],
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: --set method.name=cg --set aggregate.top_k=10.")] = None,
 ) -> None:
     """Run the influence pipeline with parameters from a YAML file, plus --set overrides."""
-    loaded = yaml.safe_load(config.read_text()) or {}
-    if not isinstance(loaded, dict):
-        raise typer.BadParameter(f"{config} must hold a mapping of RunParameters fields", param_hint="--config")
-    execute(parse_parameters(apply_overrides(loaded, overrides or [])))
+    execute(parse_parameters(apply_overrides(load_config(config), overrides or [])))
 
 
 @app.command()
@@ -101,14 +139,41 @@ def show(
     queries: Annotated[int, typer.Option(min=1, help="How many queries to show.")] = 10,
 ) -> None:
     """Print the top-k table of a finished run."""
-    store = RunStore(output_url=output_url, storage=StorageSpec(endpoint_url=endpoint_url))
+    store = open_store(output_url, endpoint_url)
     try:
         attrs, rows = read_run(store, queries)
-    except (FileNotFoundError, RuntimeError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
+    except ConfigError as exc:
+        raise fail([str(exc)], 1) from None
     method = attrs.get("config", {}).get("method", {}).get("name", "?")
     print_table(rows, f"{store.output_url}: method={method}, top training examples per query")
+
+
+@app.command()
+def verify(
+    output_url: Annotated[str, typer.Argument(help="Output URL of a run: local path or s3://bucket/prefix.")],
+    endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
+) -> None:
+    """Check a run: complete, every array of the output layout with its shape, aggregates equal to the scores'. Exit 1 on any failure."""
+    store = open_store(output_url, endpoint_url)
+    checks = verify_run(store)
+    table = Table(title=f"verify {store.output_url}")
+    for column in ("check", "result", "detail"):
+        table.add_column(column)
+    for check in checks:
+        table.add_row(check.name, "[green]ok[/green]" if check.ok else "[red]FAIL[/red]", Text(check.detail))  # details hold brackets: no markup
+    console.print(table)
+    failed = [check.name for check in checks if not check.ok]
+    if failed:
+        raise fail([f"output_url: {len(failed)} of {len(checks)} checks failed: {', '.join(failed)}. Fix: run the pipeline there again with the same parameters"], 1)
+    console.print(f"All {len(checks)} checks passed.")
+
+
+def open_store(output_url: str, endpoint_url: str | None) -> RunStore:
+    """The run's location for show and verify; a bad URL is an invalid parameter (exit 2)."""
+    try:
+        return RunStore(output_url=output_url, storage=StorageSpec(endpoint_url=endpoint_url))
+    except ValidationError as exc:
+        raise fail(validation_lines(exc, RunStore), 2) from None
 
 
 if __name__ == "__main__":

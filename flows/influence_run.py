@@ -11,6 +11,7 @@ from prefect.tasks import Task
 
 from influence_core.pipeline import publish
 from influence_core.pipeline.aggregation import check_top_k
+from influence_core.pipeline.preflight import preflight
 from influence_core.pipeline.stage import producer
 from influence_core.pipeline.store import RunStore
 from influence_core.refs import StageRef
@@ -52,8 +53,7 @@ class StageRunner:
 def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     """Which training examples made the model predict this? Scores, top-k, self-influence and totals."""
     store = params.store()
-    store.check()
-    publish.mark_running(store)
+    preflight(store, params.compute, params.model)  # seconds, before any stage computes or anything is written
     run = StageRunner(store)
     data = run(prepare_data, spec=params.dataset, store=store)
     check_top_k(params.aggregate, data.n_train)
@@ -61,6 +61,7 @@ def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     model = run(fit_model, spec=params.model, training=params.training, data=data, store=store, threads=threads)
     curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
     factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store, threads=threads)
+    publish.mark_running(store)  # only now does the run touch influence.zarr: bad input found earlier leaves it as it was
     scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, curvature=curvature, factors=factors, store=store)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
     return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate.report_queries)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from distributed import Client, LocalCluster
+from distributed.comm.addressing import parse_address, parse_host_port
 
 from .errors import ConfigError
 from .specs import ClusterKind, ComputeSpec
+
+PROBE_TIMEOUT = 3.0  # seconds: an unreachable scheduler is reported at once, not after the client's 20 s timeout
 
 
 @contextmanager
@@ -27,6 +31,25 @@ def dask_client(spec: ComputeSpec, thread_safe: bool) -> Iterator[Client | None]
         logging.getLogger("distributed").setLevel(logging.WARNING)  # the in-process scheduler's chatter
         with _start_cluster(kind, spec) as cluster, Client(cluster) as client:
             yield client
+
+
+def check_scheduler(spec: ComputeSpec) -> None:
+    """For cluster=address, fail within PROBE_TIMEOUT seconds, naming compute.address, when nothing answers there."""
+    if spec.cluster != ClusterKind.address.value or spec.address is None:
+        return
+    try:
+        protocol, location = parse_address(spec.address)
+        host, port = parse_host_port(location) if protocol in ("tcp", "tls") else (None, None)
+    except ValueError as exc:
+        raise ConfigError("compute.address", f"{spec.address!r} is not a scheduler address ({exc})", "give it as tcp://host:port, e.g. tcp://127.0.0.1:8786") from None
+    if host is None:
+        return  # other transports (ucx, inproc, ws) are left to the client's own handshake
+    try:
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+    except OSError as exc:
+        raise ConfigError(
+            "compute.address", f"no Dask scheduler answers at {spec.address} ({exc.strerror or exc})", "start the scheduler (dask scheduler) or correct compute.address"
+        ) from None
 
 
 def _start_cluster(kind: ClusterKind, spec: ComputeSpec) -> LocalCluster:

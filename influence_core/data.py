@@ -121,6 +121,8 @@ def _torch_source(spec: DatasetSpec) -> Source:
         raise ConfigError("dataset.path", f"cannot load {spec.path!r} ({exc})", "give an importable `package.module:factory`") from None
     if isinstance(made, tuple):
         train_set, test_set = made
+    elif len(made) < 2:
+        raise ConfigError("dataset.path", f"{spec.path!r} returned a dataset of {len(made)} examples", "return a dataset with training and query examples")
     else:
         held_out = _held_out(len(made), spec)
         train_set, test_set = Subset(made, np.setdiff1d(np.arange(len(made)), held_out).tolist()), Subset(made, held_out.tolist())
@@ -151,9 +153,22 @@ def _range_split(x: Any, y: Any, stop: int, block_rows: int, keep: np.ndarray | 
     return Split(count, blocks)
 
 
+def _check_pairs(arrays: dict[str, Any], spec: DatasetSpec) -> None:
+    """Each x has as many rows as its y, and none is empty: checked on shapes, before any row is read."""
+    for suffix in ("_train", "_test", ""):
+        x, y = arrays.get(f"x{suffix}"), arrays.get(f"y{suffix}")
+        if x is None or y is None:
+            continue
+        if x.shape[0] != y.shape[0]:
+            raise ConfigError("dataset.path", f"{spec.path!r}: x{suffix} has {x.shape[0]} rows but y{suffix} has {y.shape[0]}", "give every example exactly one label")
+        if x.shape[0] == 0:
+            raise ConfigError("dataset.path", f"{spec.path!r}: x{suffix} has no rows", "give a dataset with examples in it")
+
+
 def _from_arrays(arrays: dict[str, Any], spec: DatasetSpec) -> Source:
     """A source from named array-likes (memory maps, Zarr): an explicit train/test split, or x, y with a seeded
     random hold-out of queries (read by index) while the training rows stream in blocks, never loaded whole."""
+    _check_pairs(arrays, spec)
     if {"x_train", "y_train", "x_test", "y_test"} <= arrays.keys():
         n_tr, n_te = arrays["y_train"].shape[0], arrays["y_test"].shape[0]
         train = _range_split(arrays["x_train"], arrays["y_train"], min(n_tr, spec.n_train or n_tr), spec.chunk_rows)
@@ -174,6 +189,7 @@ def _from_arrays(arrays: dict[str, Any], spec: DatasetSpec) -> Source:
 
 def _npz(spec: DatasetSpec, options: dict[str, Any]) -> Source:
     arrays = _load_npz(spec)
+    _check_pairs(arrays, spec)
     if {"x", "y"} <= arrays.keys() and "x_train" not in arrays:  # small enough to be in memory: stratify-free random split
         from sklearn.model_selection import train_test_split
 
@@ -198,16 +214,37 @@ def open_source(spec: DatasetSpec, options: dict[str, Any]) -> Source:
     return SOURCES[spec.source](spec, options)
 
 
+def check_block(x: np.ndarray, y: np.ndarray, split: str, first_row: int) -> None:
+    """Refuse rows that would poison every score: non-finite features or targets, negative class labels."""
+    for name, values in ((f"x_{split}", x), (f"y_{split}", y)):
+        if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
+            row = first_row + int(np.argwhere(~np.isfinite(values.reshape(len(values), -1)))[0, 0])
+            raise ConfigError("dataset.path", f"{name} holds NaN or inf (first at row {row})", "drop or impute those rows before the run: one non-finite value spoils every score")
+    if np.issubdtype(y.dtype, np.integer) and len(y) and int(y.min()) < 0:
+        row = first_row + int(np.argmax(y < 0))
+        raise ConfigError(
+            "dataset.path", f"y_{split} holds the negative label {int(y.min())} (first at row {row}); integer labels are class indices", "number the classes 0..C-1, or store regression targets as floats"
+        )
+
+
+def _first_block(split: Split, name: str) -> Block:
+    """The split's first block, from which the arrays take their shapes and dtypes; an empty split is refused."""
+    if split.n == 0:
+        raise ConfigError("dataset", f"the {name} split is empty", "use more data or a different test_fraction")
+    return next(split.blocks())
+
+
 def write_dataset(source: Source, url: str, options: dict[str, Any], chunk_rows: int) -> dict[str, Any]:
     """Stream both splits into a Zarr group; return the DataRef fields, with a content hash built chunk by chunk."""
+    firsts = {name: _first_block(split, name) for name, split in (("train", source.train), ("test", source.test))}
+    if firsts["test"][0].shape[1:] != firsts["train"][0].shape[1:]:
+        raise ConfigError("dataset.path", f"query features have shape {firsts['test'][0].shape[1:]} but training features {firsts['train'][0].shape[1:]}", "give x_test the same features as x_train")
     group = storage.open_group(url, options, mode="w")
     total = hashlib.sha256()
     arrays: dict[str, dict[str, Any]] = {}
     top_label = -1  # integer labels: the classes are counted while streaming
     for split_name, split in (("train", source.train), ("test", source.test)):
-        if split.n == 0:
-            raise ConfigError("dataset", f"the {split_name} split is empty", "use more data or a different test_fraction")
-        first_x, first_y = next(split.blocks())
+        first_x, first_y = firsts[split_name]
         made = {
             kind: group.create_array(
                 f"{kind}_{split_name}",
@@ -220,6 +257,7 @@ def write_dataset(source: Source, url: str, options: dict[str, Any], chunk_rows:
         digests = {kind: hashlib.sha256(f"{arr.shape}{arr.dtype}".encode()) for kind, arr in made.items()}
         row = 0
         for x, y in split.blocks():
+            check_block(x, y, split_name, row)
             for kind, block in (("x", x), ("y", y)):
                 made[kind][row : row + len(block)] = block
                 digests[kind].update(np.ascontiguousarray(block).tobytes())

@@ -86,7 +86,9 @@ def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint
     try:
         state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ... for foreign files
-        raise ConfigError(field, f"{url!r} is not a weights-only state_dict ({type(exc).__name__})", "save it with torch.save(model.state_dict(), path)") from None
+        raise ConfigError(
+            field, f"{url!r} is not a weights-only state_dict: torch.load(weights_only=True) refused to unpickle it ({type(exc).__name__})", "save it with torch.save(model.state_dict(), path)"
+        ) from None
     if not isinstance(state, dict):
         raise ConfigError(field, f"{url!r} holds a {type(state).__name__}, not a state_dict", "save model.state_dict(), not the model")
     return state

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
+from .errors import ConfigError
 from .losses import LossName
 from .projection import Projection
 from .methods import (
@@ -71,12 +72,12 @@ class DatasetSpec(Spec):
         if self.source not in needs:
             return self
         if not self.path:
-            raise ValueError(f"dataset.path is required for source={self.source}: give {needs[self.source]}")
+            raise ConfigError("dataset.path", f"source={self.source} needs a path", f"give {needs[self.source]}")
         if self.source == DatasetSource.torch.value:
             if not re.fullmatch(r"[\w.]+:\w+", self.path):
-                raise ValueError(f"dataset.path {self.path!r} is not `package.module:factory`")
+                raise ConfigError("dataset.path", f"{self.path!r} is not `package.module:factory`", "name an importable module and a factory in it, e.g. mypackage.data:make_dataset")
         elif "://" not in self.path and not Path(self.path.removeprefix("file://")).expanduser().exists():
-            raise ValueError(f"dataset.path {self.path!r} does not exist: give {needs[self.source]} that exists")
+            raise ConfigError("dataset.path", f"{self.path!r} does not exist", f"give {needs[self.source]} that exists")
         return self
 
 
@@ -299,7 +300,7 @@ class ComputeSpec(Spec):
     @model_validator(mode="after")
     def _address_given(self) -> "ComputeSpec":
         if self.cluster == ClusterKind.address.value and not self.address:
-            raise ValueError("compute.address is required for cluster=address, e.g. tcp://127.0.0.1:8786")
+            raise ConfigError("compute.address", "cluster=address needs the scheduler's address", "set compute.address, e.g. tcp://127.0.0.1:8786")
         return self
 
 
@@ -326,7 +327,7 @@ class StorageSpec(Spec):
     @classmethod
     def _no_credentials_in_url(cls, value: str | None) -> str | None:
         if value and "@" in value.split("://", 1)[-1].split("/", 1)[0]:
-            raise ValueError("storage.endpoint_url must not carry credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment")
+            raise ConfigError("storage.endpoint_url", "must not carry credentials", "give the endpoint without user:password@ and set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment")
         return value
 
     def fsspec_options(self) -> dict[str, Any]:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import socket
+import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 import zarr
@@ -108,21 +111,70 @@ def list_names(url: str, options: dict[str, Any]) -> list[str]:
         return []
 
 
+PROBE_TIMEOUT = 3.0  # seconds: a preflight fails fast instead of after botocore's 60 s connect timeout and retries
+
+
 def check_writable(url: str, options: dict[str, Any], field: str = "output_url") -> None:
-    """Fail early when an S3 bucket is missing or unreachable, naming the bucket and the endpoint."""
+    """Fail in seconds, naming the field, when the location cannot be written: no S3 credentials, a closed endpoint,
+    a missing bucket, or a read-only directory. Writes one probe file and removes it, so nothing is left behind."""
+    if is_remote(url):
+        _check_s3(url, options, field)
+    fs, path = filesystem(url, options)
     if not is_remote(url):
-        return
+        path = _existing_ancestor(Path(path), field)  # probe where the run would create its directory; create nothing
+    probe = posixpath.join(path, f".write-probe-{uuid.uuid4().hex}")
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except OSError as exc:
+        raise ConfigError(field, f"cannot write to {url!r} ({exc.strerror or exc})", f"point {field} at a writable location, or make it writable") from None
+
+
+def _existing_ancestor(path: Path, field: str) -> str:
+    """The directory itself, or the nearest parent that exists (where the run would create it)."""
+    while not path.exists():
+        path = path.parent
+    if not path.is_dir():
+        raise ConfigError(field, f"{str(path)!r} is a file, not a directory", f"point {field} at a directory")
+    return str(path)
+
+
+def _check_s3(url: str, options: dict[str, Any], field: str) -> None:
+    """Credentials in the environment, an endpoint that answers, and an existing bucket; each cheap."""
+    import botocore.session
+
     bucket = url.split("://", 1)[1].split("/", 1)[0]
-    endpoint = options.get("client_kwargs", {}).get("endpoint_url", "the default AWS endpoint")
+    endpoint = options.get("client_kwargs", {}).get("endpoint_url")
+    if not options.get("anon") and botocore.session.get_session().get_credentials() is None:
+        raise ConfigError(
+            field,
+            f"no S3 credentials to reach bucket {bucket!r}",
+            "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) where the flow runs; never put them in parameters",
+        )
+    if endpoint:
+        _check_endpoint(endpoint)
+    where = endpoint or "the default AWS endpoint"
     fs, _ = filesystem(url, options)
     try:
         found = fs.exists(bucket)
     except PermissionError as exc:
-        raise ConfigError(field, f"access to bucket {bucket!r} at {endpoint} was denied ({exc})", "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment") from None
+        raise ConfigError(field, f"access to bucket {bucket!r} at {where} was denied ({exc})", "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment") from None
     except OSError as exc:
-        raise ConfigError(field, f"cannot reach bucket {bucket!r} at {endpoint} ({exc})", "check storage.endpoint_url and the network") from None
+        raise ConfigError(field, f"cannot reach bucket {bucket!r} at {where} ({exc})", "check storage.endpoint_url and the network") from None
     if not found:
-        raise ConfigError(field, f"S3 bucket {bucket!r} does not exist at {endpoint}", f"create it (e.g. `aws s3 mb s3://{bucket} --endpoint-url {endpoint}`) or point {field} at an existing bucket")
+        raise ConfigError(field, f"S3 bucket {bucket!r} does not exist at {where}", f"create it (e.g. `aws s3 mb s3://{bucket} --endpoint-url {where}`) or point {field} at an existing bucket")
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """A TCP connection to the endpoint within PROBE_TIMEOUT seconds."""
+    parts = urlsplit(endpoint)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=PROBE_TIMEOUT).close()
+    except OSError as exc:
+        raise ConfigError(
+            "storage.endpoint_url", f"nothing answers at {endpoint} ({exc.strerror or exc})", "start the S3 service there, or correct storage.endpoint_url"
+        ) from None
 
 
 def stat_token(url: str, options: dict[str, Any]) -> str:

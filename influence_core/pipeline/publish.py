@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from .. import storage
+from ..errors import ConfigError
 from ..refs import DataRef, StageRef
 from ..report import QueryRow, render_report, topk_rows
 from ..version import CODE_VERSION
@@ -78,13 +79,13 @@ def publish(
 
 
 def read_run(store: RunStore, n_queries: int) -> tuple[dict[str, Any], list[QueryRow]]:
-    """A finished run's attributes and top-k rows; refuses runs whose status is not complete."""
+    """A finished run's attributes and top-k rows; a missing or unfinished run is refused with a ConfigError."""
     try:
         group = storage.open_group(store.influence_url, store.options, mode="r")
     except FileNotFoundError:
-        raise FileNotFoundError(f"no influence.zarr under {store.output_url!r}: run the pipeline there first") from None
+        raise ConfigError("output_url", f"no influence.zarr under {store.output_url!r}", "give the output_url of a finished run, or run the pipeline there first") from None
     status = group.attrs.get("status")
     if status != "complete":
-        raise RuntimeError(f"the run at {store.output_url!r} is not complete (status={status!r}): run it again to finish it")
+        raise ConfigError("output_url", f"the run at {store.output_url!r} is not complete (status={status!r})", "run it again with the same parameters to finish it")
     data = DataRef.model_validate(group.attrs["refs"]["prepare_data"])
     return dict(group.attrs), query_rows(store, data, n_queries)

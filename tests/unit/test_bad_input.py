@@ -33,7 +33,7 @@ def test_unknown_method_option_is_refused():
 
 
 def test_missing_dataset_path_names_the_field(tmp_path):
-    with pytest.raises(ValidationError, match=r"dataset.path .*does not exist"):
+    with pytest.raises(ValidationError, match=r"dataset.path: .*does not exist"):
         RunParameters.model_validate({"dataset": {"source": "npz", "path": str(tmp_path / "nope.npz")}})
 
 

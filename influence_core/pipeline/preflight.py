@@ -1,0 +1,20 @@
+"""Cheap checks at the start of a run: everything that can be found out in seconds fails before any stage computes."""
+
+from __future__ import annotations
+
+from .. import storage
+from ..cluster import check_scheduler
+from ..errors import ConfigError
+from ..specs import ComputeSpec, ModelSpec
+from .store import RunStore
+
+
+def preflight(store: RunStore, compute: ComputeSpec, model: ModelSpec) -> None:
+    """Output and cache writable (credentials, endpoint, bucket, permissions), scheduler answering, checkpoint present.
+
+    Each failure is a ConfigError naming the field and the fix; none takes longer than a short probe timeout.
+    """
+    store.check()
+    check_scheduler(compute)
+    if model.checkpoint and not storage.exists(model.checkpoint, store.options):
+        raise ConfigError("model.checkpoint", f"no checkpoint at {model.checkpoint!r}", "give the path or s3:// URL of a saved state_dict")

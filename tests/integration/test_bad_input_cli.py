@@ -1,0 +1,400 @@
+"""Bad input through the CLI and the flow (real Prefect API, moto S3): each case fails before expensive work, with
+one line `field: problem. Fix: ...`, a non-zero exit, no traceback, and an earlier run in the output untouched.
+
+"Before expensive work" is read back from Prefect: the failed flow run's task runs end at the stage that refused
+the input (none for a preflight failure), and no stage from that one on has written a manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.sorting import FlowRunSort
+from torch import nn
+from typer.testing import CliRunner
+
+from flows.cli import app
+from flows.influence_run import influence_run
+from flows.parameters import RunParameters
+from influence_core import ConfigError, storage
+from tests.helpers import small_params
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+runner = CliRunner()
+STAGES = ["prepare_data", "fit_model", "fit_preconditioner", "compute_test_factors", "compute_influences", "aggregate"]
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def manifests(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.glob("stages/*/*/manifest.json")}
+
+
+@dataclass(frozen=True)
+class FlowRun:
+    state: str
+    stages: list[str]  # the task runs, in order
+    completed: set[str]  # those that finished
+
+
+def flow_run_to(output_url: str) -> FlowRun | None:
+    """The one flow run that wrote to `output_url`, read back from the Prefect API."""
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=100) if r.parameters.get("params", {}).get("output_url") == output_url]
+        if not runs:
+            return None
+        assert len(runs) == 1, f"{len(runs)} flow runs wrote to {output_url}"
+        tasks = sorted(client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id]))), key=lambda t: t.created or t.expected_start_time)
+    assert runs[0].state is not None and all(t.state is not None for t in tasks)
+    names = [t.name.rsplit("-", 1)[0] for t in tasks]
+    return FlowRun(runs[0].state.type.value, names, {n for n, t in zip(names, tasks) if t.state and t.state.is_completed()})
+
+
+def assert_stopped_at(output_url: str, stages: list[str]) -> FlowRun:
+    """The flow run failed after running exactly `stages` (none: the preflight refused)."""
+    run = flow_run_to(output_url)
+    assert run is not None and run.state == "FAILED" and run.stages == stages, run
+    return run
+
+
+def invoke(config: dict[str, Any], tmp_path: Path, *extra: str) -> Any:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return runner.invoke(app, ["run", "--config", str(path), *extra])
+
+
+def assert_refused(result: Any, code: int, field_name: str, *words: str) -> str:
+    """Exit `code`; a line `field: ... Fix: ...` naming `field`; every word in that line; no traceback."""
+    lines = [line for line in result.output.splitlines() if line.startswith(f"{field_name}: ") and "Fix: " in line]
+    assert result.exit_code == code, result.output
+    assert lines, result.output
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def digits_like(n_train: int = 120, n_test: int = 12, width: int = 64) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "x_train": rng.random((n_train, width), dtype=np.float32),
+        "y_train": np.arange(n_train) % 10,
+        "x_test": rng.random((n_test, width), dtype=np.float32),
+        "y_test": np.arange(n_test) % 10,
+    }
+
+
+def npz_dataset(config: dict[str, Any], tmp_path: Path, **changes: np.ndarray) -> None:
+    arrays = {**digits_like(), **changes}
+    np.savez(tmp_path / "data.npz", **arrays)
+    config["dataset"] = {"source": "npz", "path": str(tmp_path / "data.npz"), "chunk_rows": 32}
+
+
+def with_nan(name: str, row: int, value: float) -> Callable[[dict[str, Any], Path], None]:
+    def change(config: dict[str, Any], tmp_path: Path) -> None:
+        array = digits_like()[name].copy()
+        array[row, 3] = value
+        npz_dataset(config, tmp_path, **{name: array})
+
+    return change
+
+
+def checkpoint_of_other_architecture(config: dict[str, Any], tmp_path: Path) -> None:
+    torch.save(nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).state_dict(), tmp_path / "other.pt")
+    config["model"]["checkpoint"] = str(tmp_path / "other.pt")
+
+
+def set_in(path: str, value: Any) -> Callable[[dict[str, Any], Path], None]:
+    def change(config: dict[str, Any], tmp_path: Path) -> None:
+        *parents, leaf = path.split(".")
+        node = config
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    return change
+
+
+def rename_key(section: str, old: str, new: str) -> Callable[[dict[str, Any], Path], None]:
+    def change(config: dict[str, Any], tmp_path: Path) -> None:
+        node = config if not section else config[section]
+        node[new] = node.pop(old)
+
+    return change
+
+
+def both(*changes: Callable[[dict[str, Any], Path], None]) -> Callable[[dict[str, Any], Path], None]:
+    def change(config: dict[str, Any], tmp_path: Path) -> None:
+        for one in changes:
+            one(config, tmp_path)
+
+    return change
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    change: Callable[[dict[str, Any], Path], None]
+    field: str
+    words: tuple[str, ...] = ()
+    stages: list[str] | None = None  # task runs of the refused flow run; None: refused before a flow run exists
+    code: int = 1
+
+    @property
+    def param(self) -> Any:
+        return pytest.param(self, id=self.id)
+
+
+def invalid(id: str, change: Callable[[dict[str, Any], Path], None], field_name: str, *words: str) -> Case:
+    """Refused while parsing the parameters: exit 2, no flow run."""
+    return Case(id, change, field_name, words, None, 2)
+
+
+PARAMETER_CASES = [
+    invalid("unknown method option", set_in("method.rtol", 1e-3), "method.rtol", "name=direct", "regularization"),
+    invalid("unknown method", set_in("method.name", "newton"), "method", "'cg'"),
+    invalid("top_k = 0", set_in("aggregate.top_k", 0), "aggregate.top_k", "1 or more"),
+    invalid("dataset chunk_rows = 0", set_in("dataset.chunk_rows", 0), "dataset.chunk_rows", "1 or more"),
+    invalid("train_chunk_rows = 0", set_in("compute.train_chunk_rows", 0), "compute.train_chunk_rows", "1 or more"),
+    invalid("method batch_size = 0", set_in("method.batch_size", 0), "method.batch_size", "1 or more"),
+    invalid("training batch_size = 0", set_in("training.batch_size", 0), "training.batch_size", "1 or more"),
+    invalid("misspelled section", rename_key("", "aggregate", "aggregat"), "aggregat", "did you mean 'aggregate'"),
+    invalid("misspelled key", rename_key("method", "regularization", "regularisation"), "method.regularisation", "did you mean 'regularization'"),
+    invalid("dataset file missing", set_in("dataset", {"source": "npz", "path": "/no/such/data.npz"}), "dataset.path", "does not exist"),
+    invalid("dotted path malformed", set_in("dataset", {"source": "torch", "path": "not a module path"}), "dataset.path", "package.module:factory"),
+    invalid("scheduler address missing", set_in("compute", {"cluster": "address"}), "compute.address", "tcp://"),
+]
+
+RUNTIME_CASES = [
+    Case("NaN features", with_nan("x_train", 7, np.nan), "dataset.path", ("x_train", "NaN or inf", "row 7"), ["prepare_data"]),
+    Case("inf query features", with_nan("x_test", 2, np.inf), "dataset.path", ("x_test", "row 2"), ["prepare_data"]),
+    Case("negative labels", lambda c, p: npz_dataset(c, p, y_train=np.arange(120) % 10 - 1), "dataset.path", ("negative label -1", "0..C-1"), ["prepare_data"]),
+    Case("empty dataset", lambda c, p: npz_dataset(c, p, x_train=np.zeros((0, 64), np.float32), y_train=np.zeros(0, np.int64)), "dataset.path", ("no rows",), ["prepare_data"]),
+    Case("x/y length mismatch", lambda c, p: npz_dataset(c, p, y_train=np.arange(100) % 10), "dataset.path", ("120 rows", "y_train has 100"), ["prepare_data"]),
+    Case("query features of another width", lambda c, p: npz_dataset(c, p, x_test=np.zeros((12, 10), np.float32)), "dataset.path", ("(10,)", "(64,)"), ["prepare_data"]),
+    Case("labels beyond the outputs", set_in("model.output_dim", 5), "model.output_dim", ("5 columns", "up to 9", "10 outputs"), ["prepare_data", "fit_model"]),
+    Case("outputs that do not fit the loss", both(set_in("model.loss", "mse"), set_in("model.output_dim", 10)), "model", ("(64, 10)", "(64,)"), ["prepare_data", "fit_model"]),
+    Case("checkpoint of another architecture", checkpoint_of_other_architecture, "model.checkpoint", ("does not fit",), ["prepare_data", "fit_model"]),
+    Case("checkpoint missing", set_in("model.checkpoint", "/no/such/model.pt"), "model.checkpoint", ("/no/such/model.pt",), []),
+    Case("dotted path that does not import", set_in("dataset", {"source": "torch", "path": "no_such_package_4d1f.data:make"}), "dataset.path", ("cannot load", "No module named"), ["prepare_data"]),
+    Case("top_k above n_train", set_in("aggregate.top_k", 500), "aggregate.top_k", ("240 training examples", "at most 240"), ["prepare_data"]),
+    Case("unreachable scheduler", lambda c, p: set_in("compute", {"cluster": "address", "address": f"tcp://127.0.0.1:{closed_port()}"})(c, p), "compute.address", ("no Dask scheduler answers", "Connection refused"), []),
+]
+
+
+# -- an earlier, complete run that bad invocations must leave as it was -----------------------------------------
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory: pytest.TempPathFactory, prefect_api: None) -> Path:
+    root = tmp_path_factory.mktemp("earlier")
+    result = invoke(small_params(str(root / "run")).model_dump(mode="json"), root)
+    assert result.exit_code == 0, result.output
+    return root / "run"
+
+
+@pytest.fixture
+def earlier(earlier_run: Path, tmp_path: Path) -> Iterator[Path]:
+    """A copy of the complete run; every file of it must be byte-identical after the test's bad invocation."""
+    copy = tmp_path / "out"
+    shutil.copytree(earlier_run, copy)
+    before, stage_manifests = tree_hashes(copy), manifests(copy)
+    assert "influence.zarr/zarr.json" in before and len(stage_manifests) == len(STAGES)
+    yield copy
+    after = tree_hashes(copy)
+    changed = [name for name, digest in before.items() if after.get(name) != digest]
+    assert not changed, f"the earlier run was modified: {changed}"
+
+
+# -- the cases ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [c.param for c in PARAMETER_CASES + RUNTIME_CASES])
+def test_bad_input_is_refused_early(case: Case, earlier: Path, tmp_path: Path) -> None:
+    config = small_params(str(earlier)).model_dump(mode="json")
+    before = manifests(earlier)
+    case.change(config, tmp_path)
+    result = invoke(config, tmp_path)
+    assert_refused(result, case.code, case.field, *case.words)
+    if case.stages is None:
+        assert flow_run_to(str(earlier)) is None  # refused while parsing: no flow run at all
+        return
+    run = assert_stopped_at(str(earlier), case.stages)
+    new = {name.split("/")[1] for name in manifests(earlier) - before}
+    assert new == run.completed, f"new manifests of {new}, but completed {run.completed}"  # the refusing stage wrote none
+
+
+def test_pickle_checkpoint_is_refused_without_running_its_code(earlier: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (exec, (f"open({str(marker)!r}, 'w').close()",))
+
+    torch.save({"weight": Payload()}, tmp_path / "evil.pt")
+    config = small_params(str(earlier)).model_dump(mode="json")
+    config["model"]["checkpoint"] = str(tmp_path / "evil.pt")
+    line = assert_refused(invoke(config, tmp_path), 1, "model.checkpoint", "weights_only=True", "evil.pt")
+    assert "state_dict" in line
+    assert_stopped_at(str(earlier), ["prepare_data", "fit_model"])
+    assert not marker.exists()
+    torch.load(tmp_path / "evil.pt", weights_only=False)  # the payload is live: a full unpickle runs it
+    assert marker.exists()
+
+
+@contextmanager
+def read_only(root: Path) -> Iterator[None]:
+    """Root ignores permission bits, so as root the tree is made immutable instead (chattr +i)."""
+    as_root = os.geteuid() == 0
+    lock, unlock = (["chattr", "-R", "+i", str(root)], ["chattr", "-R", "-i", str(root)]) if as_root else (["chmod", "-R", "a-w", str(root)], ["chmod", "-R", "u+w", str(root)])
+    subprocess.run(lock, check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(unlock, check=True)
+
+
+def test_read_only_output_directory(earlier: Path, tmp_path: Path) -> None:
+    with read_only(earlier):
+        with pytest.raises(OSError):
+            (earlier / "probe").write_bytes(b"")  # the directory really is read-only for this process
+        result = invoke(small_params(str(earlier)).model_dump(mode="json"), tmp_path)
+    assert_refused(result, 1, "output_url", "cannot write", str(earlier))
+    assert_stopped_at(str(earlier), [])
+
+
+def test_read_only_parent_of_a_new_output(tmp_path: Path) -> None:
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    with read_only(parent):
+        result = invoke(small_params(str(parent / "new" / "run")).model_dump(mode="json"), tmp_path)
+    assert_refused(result, 1, "output_url", "cannot write")
+    assert not (parent / "new").exists()
+
+
+# -- S3: each refused by the preflight, before any stage ---------------------------------------------------------
+def test_missing_bucket(tmp_path: Path, s3_endpoint: str) -> None:
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
+    result = invoke(small_params(url, storage={"endpoint_url": s3_endpoint}).model_dump(mode="json"), tmp_path)
+    assert_refused(result, 1, "output_url", "does not exist", "aws s3 mb")
+    assert_stopped_at(url, [])
+
+
+def test_missing_credentials(tmp_path: Path, s3_endpoint: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    url = f"s3://{s3_bucket}/run"
+    result = invoke(small_params(url, storage={"endpoint_url": s3_endpoint}).model_dump(mode="json"), tmp_path)
+    assert_refused(result, 1, "output_url", "no S3 credentials", "AWS_ACCESS_KEY_ID")
+    assert_stopped_at(url, [])
+
+
+def test_closed_endpoint_port(tmp_path: Path) -> None:
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    url = f"s3://bucket-{uuid.uuid4().hex[:8]}/run"
+    result = invoke(small_params(url, storage={"endpoint_url": endpoint}).model_dump(mode="json"), tmp_path)
+    assert_refused(result, 1, "storage.endpoint_url", endpoint, "Connection refused")
+    assert_stopped_at(url, [])
+
+
+def test_credentials_in_the_endpoint_are_refused_and_not_echoed(tmp_path: Path) -> None:
+    config = small_params(str(tmp_path / "out")).model_dump(mode="json")
+    config["storage"]["endpoint_url"] = "http://someone:hunter2-secret@127.0.0.1:9000"
+    result = invoke(config, tmp_path)
+    assert_refused(result, 2, "storage.endpoint_url", "must not carry credentials")
+    assert "hunter2" not in result.output
+
+
+# -- the config file itself ---------------------------------------------------------------------------------------
+def test_config_path_that_does_not_exist(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["run", "--config", str(tmp_path / "nope.yaml")])
+    assert_refused(result, 2, "--config", "nope.yaml", "is not a file")
+
+
+def test_invalid_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("output_url: runs/x\nmethod:\n  name: [cg\n")
+    assert_refused(runner.invoke(app, ["run", "--config", str(path)]), 2, "--config", "not valid YAML", "line 4")
+
+
+def test_config_that_is_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- output_url\n- runs/x\n")
+    assert_refused(runner.invoke(app, ["run", "--config", str(path)]), 2, "--config", "list, not a mapping")
+
+
+def test_unsupported_output_scheme(tmp_path: Path) -> None:
+    result = invoke(small_params(str(tmp_path)).model_dump(mode="json") | {"output_url": "gs://bucket/run"}, tmp_path)
+    assert_refused(result, 2, "output_url", "unsupported scheme 'gs'", "s3://bucket/prefix")
+
+
+# -- show and verify on a missing or unfinished run ----------------------------------------------------------------
+def test_show_and_verify_on_a_missing_run(tmp_path: Path) -> None:
+    for command in ("show", "verify"):
+        result = runner.invoke(app, [command, str(tmp_path / "nothing")])
+        assert result.exit_code == 1, result.output
+        assert "Traceback" not in result.output
+    assert_refused(runner.invoke(app, ["show", str(tmp_path / "nothing")]), 1, "output_url", "no influence.zarr")
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_show_and_verify_on_an_incomplete_run(earlier_run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "out"
+    shutil.copytree(earlier_run, copy)
+    storage.open_group(str(copy / "influence.zarr"), {}, mode="a").attrs["status"] = "running"
+    before = tree_hashes(copy)
+    assert_refused(runner.invoke(app, ["show", str(copy)]), 1, "output_url", "not complete", "status='running'")
+    assert_refused(runner.invoke(app, ["verify", str(copy)], terminal_width=200), 1, "output_url", "checks failed: status")
+    assert tree_hashes(copy) == before  # show and verify only read
+
+
+# -- the flow itself, as a deployment calls it ---------------------------------------------------------------------
+@pytest.mark.parametrize("case", [c.param for c in RUNTIME_CASES if c.id in {"NaN features", "unreachable scheduler", "checkpoint of another architecture"}])
+def test_the_flow_raises_config_error(case: Case, tmp_path: Path) -> None:
+    config = small_params(str(tmp_path / "out")).model_dump(mode="json")
+    case.change(config, tmp_path)
+    with pytest.raises(ConfigError) as info:
+        influence_run(RunParameters.model_validate(config))
+    assert info.value.field == case.field and info.value.fix
+    assert_stopped_at(str(tmp_path / "out"), case.stages or [])
+    assert not (tmp_path / "out" / "influence.zarr").exists()
+
+
+def test_no_traceback_on_the_terminal(tmp_path: Path) -> None:
+    """The real command in a subprocess, so Prefect's own log output (which CliRunner does not capture) is seen too."""
+    from prefect.settings import PREFECT_API_URL
+
+    config = small_params(str(tmp_path / "out")).model_dump(mode="json")
+    with_nan("x_train", 7, np.nan)(config, tmp_path)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    done = subprocess.run([str(Path(sys.executable).parent / "influence-pipeline"), "run", "--config", str(tmp_path / "run.yaml")], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "dataset.path: x_train holds NaN or inf (first at row 7). Fix: " in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert_stopped_at(str(tmp_path / "out"), ["prepare_data"])
