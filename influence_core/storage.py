@@ -114,7 +114,7 @@ def check_writable(url: str, options: dict[str, Any], field: str = "output_url")
         return
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     endpoint = options.get("client_kwargs", {}).get("endpoint_url", "the default AWS endpoint")
-    fs, _ = filesystem(url, options)
+    fs, _ = filesystem(url, {**options, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}})  # a wrong endpoint fails in seconds
     try:
         found = fs.exists(bucket)
     except PermissionError as exc:
