@@ -125,6 +125,11 @@ def check_writable(url: str, options: dict[str, Any], field: str = "output_url")
         raise ConfigError(field, f"S3 bucket {bucket!r} does not exist at {endpoint}", f"create it (e.g. `aws s3 mb s3://{bucket} --endpoint-url {endpoint}`) or point {field} at an existing bucket")
 
 
+def _stamp(info: dict[str, Any]) -> str:
+    """What changes when an object is replaced: its ETag on S3, its modification time on a local disk."""
+    return str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created"))
+
+
 def stat_token(url: str, options: dict[str, Any]) -> str:
     """A digest of the size and ETag or modification time of the file, or of every file under the directory:
     it changes when the content is replaced, without reading the content."""
@@ -132,6 +137,26 @@ def stat_token(url: str, options: dict[str, Any]) -> str:
     entries = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
     digest = hashlib.sha256()
     for name, info in sorted(entries.items()):
-        stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created")
-        digest.update(f"{name}:{info.get('size')}:{stamp}".encode())
+        digest.update(f"{name}:{info.get('size')}:{_stamp(info)}".encode())
     return digest.hexdigest()[:24]
+
+
+def file_sizes(url: str, options: dict[str, Any]) -> dict[str, int]:
+    """Size of every file under a directory or prefix, by path relative to it (one listing); empty when absent."""
+    fs, path = filesystem(url, options)
+    root = path.rstrip("/") + "/"
+    return {name.removeprefix(root): int(info["size"]) for name, info in fs.find(path, detail=True).items() if name.startswith(root)}
+
+
+def file_stamp(url: str, options: dict[str, Any]) -> tuple[int, str] | None:
+    """Size and stamp of one file, without reading it; None when it is gone."""
+    fs, path = filesystem(url, options)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    return int(info["size"]), _stamp(info)
+
+
+def content_hash(url: str, options: dict[str, Any]) -> str:
+    return hashlib.sha256(read_bytes(url, options)).hexdigest()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,9 +30,11 @@ def s3_proxy(s3_endpoint):
 
 def _stage_run_counts(flow_run_id) -> dict[str, int]:
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        return {r.name.rsplit("-", 1)[0]: r.run_count for r in client.read_task_runs() if r.flow_run_id == flow_run_id}
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r.run_count for r in runs}
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -66,7 +69,8 @@ def test_s3_outage_mid_run_completes_with_the_same_scores(s3_endpoint, s3_bucket
     assert cut and cut["chunks_done"] < 4, "the outage did not start during scoring"
     assert not s3_proxy.is_down(), "the run finished during the outage, without S3"
     # the storage client rode out the outage: no stage had to be retried by Prefect
-    assert set(_stage_run_counts(state.state_details.flow_run_id).values()) == {1}
+    counts = _stage_run_counts(state.state_details.flow_run_id)
+    assert len(counts) == 7 and set(counts.values()) == {1}, counts
     group, arrays = read_outputs(params.store())
     assert group.attrs["status"] == "complete"
     assert arrays.keys() == expected.keys()
@@ -84,3 +88,52 @@ def test_storage_options_ride_out_a_long_outage(s3_bucket, s3_proxy):
     storage.write_bytes(url, b"during", options)
     assert storage.read_bytes(url, options) == b"during"
     assert not s3_proxy.is_down()  # the write waited out the outage
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _scramble(path: Path) -> None:
+    """Same size, other bytes: only the content hash can tell."""
+    raw = bytearray(path.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + 64] = bytes(255 - b for b in raw[middle : middle + 64])
+    path.write_bytes(bytes(raw))
+
+
+# (what is damaged, relative to the output directory; how; the stage that must compute again)
+DAMAGE = {
+    "score shard deleted": ("influence.zarr/scores/c/0/1", Path.unlink, "compute_influences"),
+    "self-influence chunk deleted": ("influence.zarr/self_influence/c/2", Path.unlink, "compute_influences"),
+    "model.pt truncated": ("stages/fit_model/*/model.pt", _truncate, "fit_model"),
+    "model.pt overwritten in place": ("stages/fit_model/*/model.pt", _scramble, "fit_model"),
+    "curvature.pt truncated": ("stages/fit_preconditioner/*/curvature.pt", _truncate, "fit_preconditioner"),
+    "query factors chunk truncated": ("stages/compute_test_factors/*/factors.zarr/factors/c/0/0", _truncate, "compute_test_factors"),
+    "training data chunk deleted": ("stages/prepare_data/*/data.zarr/x_train/c/1/0", Path.unlink, "prepare_data"),
+    "top-k array chunk deleted": ("influence.zarr/topk_harmful_scores/c/0/0", Path.unlink, "aggregate"),
+}
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damaged_output_is_detected_and_recomputed(case, tmp_path):
+    pattern, damage, stage = DAMAGE[case]
+    params = small_params(str(tmp_path / "run"))
+    influence_run(params)
+    _, expected = read_outputs(params.store())
+    [target] = (tmp_path / "run").glob(pattern)
+    damage(target)
+
+    summary = influence_run(params)
+    outcomes = {name: s["outcome"] for name, s in summary["stages"].items()}
+    assert outcomes.pop(stage) == "computed"
+    assert set(outcomes.values()) <= {"cached", "found complete"}  # only the damaged stage ran again
+    if stage == "compute_influences":
+        assert summary["stages"][stage]["chunks_computed"] == 1  # the chunk whose shard was gone, despite its marker
+        assert summary["stages"][stage]["gradient_rows"] == 64
+    group, arrays = read_outputs(params.store())
+    assert group.attrs["status"] == "complete"
+    assert arrays.keys() == expected.keys()
+    for name, values in expected.items():
+        np.testing.assert_array_equal(arrays[name], values, err_msg=name)  # identical, never NaN or stale
