@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from influence_core import ConfigError
 from influence_core.pipeline.publish import read_run
 from influence_core.pipeline.store import RunStore
 from influence_core.report import QueryRow
@@ -64,7 +65,11 @@ def execute(params: RunParameters) -> None:
     """Run the flow, then print the top-k table and where the outputs are."""
     from .influence_run import influence_run  # imported late: importing prefect is slow, and --help should not be
 
-    summary = influence_run(params)
+    try:
+        summary = influence_run(params)
+    except ConfigError as exc:  # e.g. an output holding a run of other parameters: the message says what to do
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
     _, rows = read_run(params.store(), params.aggregate.report_queries)
     print_table(rows, f"Top training examples for the first {len(rows)} queries (score > 0: helpful)")
     for name, stage in summary["stages"].items():
@@ -78,11 +83,14 @@ def execute(params: RunParameters) -> None:
 def run(
     config: Annotated[Path, typer.Option("--config", "-c", exists=True, dir_okay=False, help="YAML file of RunParameters (see configs/).")],
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: --set method.name=cg --set aggregate.top_k=10.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a run of other parameters found at output_url (otherwise refused).")] = False,
 ) -> None:
     """Run the influence pipeline with parameters from a YAML file, plus --set overrides."""
     loaded = yaml.safe_load(config.read_text()) or {}
     if not isinstance(loaded, dict):
         raise typer.BadParameter(f"{config} must hold a mapping of RunParameters fields", param_hint="--config")
+    if overwrite:
+        loaded["overwrite"] = True
     execute(parse_parameters(apply_overrides(loaded, overrides or [])))
 
 

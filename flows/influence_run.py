@@ -6,11 +6,12 @@ import time
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.tasks import Task
 
 from influence_core.pipeline import publish
 from influence_core.pipeline.aggregation import check_top_k
+from influence_core.pipeline.runlock import exclusive_run
 from influence_core.pipeline.stage import producer
 from influence_core.pipeline.store import RunStore
 from influence_core.refs import StageRef
@@ -53,7 +54,15 @@ def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     """Which training examples made the model predict this? Scores, top-k, self-influence and totals."""
     store = params.store()
     store.check()
-    publish.mark_running(store)
+    fingerprint = params.run_fingerprint()
+    publish.check_owner(store, fingerprint, params.overwrite)  # refused at once, before waiting or computing
+    with exclusive_run(store, on_wait=get_run_logger().warning):
+        publish.begin_run(store, fingerprint, params.overwrite)
+        return _stages(params, store)
+
+
+def _stages(params: RunParameters, store: RunStore) -> dict[str, Any]:
+    """The six stages and the closing publish, under the output's run lock."""
     run = StageRunner(store)
     data = run(prepare_data, spec=params.dataset, store=store)
     check_top_k(params.aggregate, data.n_train)
