@@ -119,9 +119,13 @@ def execute(params: RunParameters) -> None:
 def run(
     config: Annotated[Path, typer.Option("--config", "-c", help="YAML file of RunParameters (see configs/).")],
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: --set method.name=cg --set aggregate.top_k=10.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a run of other parameters found at output_url (otherwise refused).")] = False,
 ) -> None:
     """Run the influence pipeline with parameters from a YAML file, plus --set overrides."""
-    execute(parse_parameters(apply_overrides(load_config(config), overrides or [])))
+    loaded = load_config(config)
+    if overwrite:
+        loaded["overwrite"] = True
+    execute(parse_parameters(apply_overrides(loaded, overrides or [])))
 
 
 @app.command()

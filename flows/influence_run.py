@@ -6,12 +6,13 @@ import time
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.tasks import Task
 
 from influence_core.pipeline import publish
 from influence_core.pipeline.aggregation import check_top_k
 from influence_core.pipeline.preflight import preflight
+from influence_core.pipeline.runlock import exclusive_run
 from influence_core.pipeline.stage import producer
 from influence_core.pipeline.store import RunStore
 from influence_core.refs import StageRef
@@ -54,6 +55,14 @@ def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     """Which training examples made the model predict this? Scores, top-k, self-influence and totals."""
     store = params.store()
     preflight(store, params.compute, params.model)  # seconds, before any stage computes or anything is written
+    fingerprint = params.run_fingerprint()
+    publish.check_owner(store, fingerprint, params.overwrite)  # refused at once, before waiting or computing
+    with exclusive_run(store, on_wait=get_run_logger().warning):
+        return _stages(params, store, fingerprint)
+
+
+def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[str, Any]:
+    """The six stages and the closing publish, under the output's run lock."""
     run = StageRunner(store)
     data = run(prepare_data, spec=params.dataset, store=store)
     check_top_k(params.aggregate, data.n_train)
@@ -61,7 +70,7 @@ def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     model = run(fit_model, spec=params.model, training=params.training, data=data, store=store, threads=threads)
     curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
     factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store, threads=threads)
-    publish.mark_running(store)  # only now does the run touch influence.zarr: bad input found earlier leaves it as it was
+    publish.begin_run(store, fingerprint, params.overwrite)  # only now is influence.zarr touched: bad input found earlier leaves it as it was
     scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, curvature=curvature, factors=factors, store=store)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
     return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate.report_queries)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -9,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from influence_core import storage
 from influence_core.pipeline.store import RunStore
 from influence_core.specs import AggregateSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
+
+
+PLACEMENT = {"compute": ("cluster", "address", "n_workers", "allow_multithreaded_workers"), "storage": ("endpoint_url", "region", "cache_url")}
 
 
 class RunParameters(BaseModel):
@@ -24,6 +29,11 @@ class RunParameters(BaseModel):
     compute: ComputeSpec = Field(default_factory=ComputeSpec, title="Compute", description="Which Dask cluster scores the training chunks, and how large a chunk is.")
     aggregate: AggregateSpec = Field(default_factory=AggregateSpec, title="Aggregation", description="Top-k helpful and harmful examples per query, and the report.")
     storage: StorageSpec = Field(default_factory=StorageSpec, title="Storage", description="S3 endpoint and region, and a stage cache shared between runs; never credentials.")
+    overwrite: bool = Field(
+        False, title="Overwrite another run",
+        description="Replace a run of other parameters found at the output URL (otherwise the run is refused before computing anything). "
+        "A run of the same parameters is resumed or reused either way.",
+    )
 
     @field_validator("output_url")
     @classmethod
@@ -33,6 +43,13 @@ class RunParameters(BaseModel):
 
     def store(self) -> RunStore:
         return RunStore(output_url=self.output_url, storage=self.storage)
+
+    def run_fingerprint(self) -> str:
+        """What the run writes: every parameter but where it runs and stores (those never change a result: every
+        cluster kind gives the same bits) and `overwrite`. Two runs with equal fingerprints may share an output."""
+        where = {"output_url": True, "overwrite": True, "compute": set(PLACEMENT["compute"]), "storage": set(PLACEMENT["storage"])}
+        payload = json.dumps(self.model_dump(mode="json", exclude=where), sort_keys=True)  # type: ignore[arg-type]
+        return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
     def public_config(self) -> dict[str, Any]:
         """The parameters as JSON; they hold no credentials by construction (those come from the environment)."""

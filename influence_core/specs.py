@@ -318,6 +318,9 @@ class AggregateSpec(Spec):
 
 
 # -- storage -----------------------------------------------------------------------------------------------
+S3_ATTEMPTS = 12  # per S3 request, with capped exponential backoff: rides out an endpoint gone for about a minute
+
+
 class StorageSpec(Spec):
     endpoint_url: str | None = Field(None, title="S3 endpoint", description="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (empty: AWS). Credentials come from the environment, never from here.")
     region: str | None = Field(None, title="S3 region", description="Region name for S3.")
@@ -331,10 +334,12 @@ class StorageSpec(Spec):
         return value
 
     def fsspec_options(self) -> dict[str, Any]:
-        """Options for fsspec/s3fs; listings are never cached, so completion checks see other writers."""
+        """Options for fsspec/s3fs; listings are never cached, so completion checks see other writers, and dropped
+        or refused connections are retried with capped exponential backoff (botocore's standard mode)."""
         client: dict[str, Any] = {}
         if self.endpoint_url:
             client["endpoint_url"] = self.endpoint_url
         if self.region:
             client["region_name"] = self.region
-        return {"client_kwargs": client, "use_listings_cache": False} if client else {"use_listings_cache": False}
+        options: dict[str, Any] = {"use_listings_cache": False, "config_kwargs": {"retries": {"max_attempts": S3_ATTEMPTS, "mode": "standard"}}}
+        return {"client_kwargs": client, **options} if client else options

@@ -144,6 +144,7 @@ def _check_s3(url: str, options: dict[str, Any], field: str) -> None:
     import botocore.session
 
     bucket = url.split("://", 1)[1].split("/", 1)[0]
+<<<<<<< HEAD
     endpoint = options.get("client_kwargs", {}).get("endpoint_url")
     if not options.get("anon") and botocore.session.get_session().get_credentials() is None:
         raise ConfigError(
@@ -155,6 +156,10 @@ def _check_s3(url: str, options: dict[str, Any], field: str) -> None:
         _check_endpoint(endpoint)
     where = endpoint or "the default AWS endpoint"
     fs, _ = filesystem(url, options)
+=======
+    endpoint = options.get("client_kwargs", {}).get("endpoint_url", "the default AWS endpoint")
+    fs, _ = filesystem(url, {**options, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}})  # a wrong endpoint fails in seconds
+>>>>>>> reliability-faults
     try:
         found = fs.exists(bucket)
     except PermissionError as exc:
@@ -177,6 +182,11 @@ def _check_endpoint(endpoint: str) -> None:
         ) from None
 
 
+def _stamp(info: dict[str, Any]) -> str:
+    """What changes when an object is replaced: its ETag on S3, its modification time on a local disk."""
+    return str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created"))
+
+
 def stat_token(url: str, options: dict[str, Any]) -> str:
     """A digest of the size and ETag or modification time of the file, or of every file under the directory:
     it changes when the content is replaced, without reading the content."""
@@ -184,6 +194,26 @@ def stat_token(url: str, options: dict[str, Any]) -> str:
     entries = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
     digest = hashlib.sha256()
     for name, info in sorted(entries.items()):
-        stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created")
-        digest.update(f"{name}:{info.get('size')}:{stamp}".encode())
+        digest.update(f"{name}:{info.get('size')}:{_stamp(info)}".encode())
     return digest.hexdigest()[:24]
+
+
+def file_sizes(url: str, options: dict[str, Any]) -> dict[str, int]:
+    """Size of every file under a directory or prefix, by path relative to it (one listing); empty when absent."""
+    fs, path = filesystem(url, options)
+    root = path.rstrip("/") + "/"
+    return {name.removeprefix(root): int(info["size"]) for name, info in fs.find(path, detail=True).items() if name.startswith(root)}
+
+
+def file_stamp(url: str, options: dict[str, Any]) -> tuple[int, str] | None:
+    """Size and stamp of one file, without reading it; None when it is gone."""
+    fs, path = filesystem(url, options)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    return int(info["size"]), _stamp(info)
+
+
+def content_hash(url: str, options: dict[str, Any]) -> str:
+    return hashlib.sha256(read_bytes(url, options)).hexdigest()

@@ -32,6 +32,7 @@ def _aggregate(spec: AggregateSpec, scores_ref: StageRef, store: RunStore, loc: 
     check_top_k(spec, scores.shape[1])
     columns = (scores.shards or scores.chunks)[1]
     group = storage.open_group(store.influence_url, store.options, mode="a")
+    group.attrs["status"] = "running"  # the top-k arrays are about to be replaced
     totals = group.create_array("train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True)
     with dask.config.set(scheduler="threads"):
         result = aggregate_scores(da.from_zarr(scores, chunks=(scores.shape[0], columns)), spec.top_k, totals)

@@ -1,4 +1,5 @@
-"""The end of a run: report.png, summary.json and the group attributes, with status=complete written last."""
+"""The two ends of a run: claiming the output (status=running, the run's fingerprint) and publishing it
+(report.png, summary.json, stale arrays removed, the group attributes, with status=complete written last)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,37 @@ def package_versions() -> dict[str, str]:
     return found
 
 
-def mark_running(store: RunStore) -> None:
-    """A run that touches an existing output flags it as in progress until it finishes."""
-    if storage.exists(storage.join(store.influence_url, "zarr.json"), store.options):
-        storage.open_group(store.influence_url, store.options, mode="a").attrs["status"] = "running"
+def check_owner(store: RunStore, fingerprint: str, overwrite: bool) -> None:
+    """Refuse an output that holds a run of other parameters, complete or not, unless `overwrite`: one output never
+    mixes arrays of two configurations. Reads only; nothing is written before this passes."""
+    if overwrite or not storage.exists(storage.join(store.influence_url, "zarr.json"), store.options):
+        return
+    attrs = storage.open_group(store.influence_url, store.options, mode="r").attrs
+    if attrs.get("run_fingerprint") != fingerprint:
+        raise ConfigError(
+            "output_url",
+            f"{store.output_url} holds a {attrs.get('status', 'foreign')} run of other parameters (run fingerprint {attrs.get('run_fingerprint')}, this run's {fingerprint})",
+            "choose another output_url, or replace that run with --overwrite (overwrite: true)",
+        )
+
+
+def begin_run(store: RunStore, fingerprint: str, overwrite: bool) -> None:
+    """Under the run lock, just before scoring: check the owner again, then flag the output running with this run's
+    parameters (a replaced run's attributes go now, its arrays when this run publishes). Stages before it write only
+    their own content-addressed outputs, so a run refused by bad input leaves an earlier run as it was."""
+    check_owner(store, fingerprint, overwrite)
+    storage.open_group(store.influence_url, store.options, mode="a").attrs.put({"status": "running", "run_fingerprint": fingerprint})
+
+
+def prune(store: RunStore, refs: dict[str, StageRef]) -> list[str]:
+    """Delete the arrays no stage of this run wrote (every stage marks its arrays with its fingerprint): what a
+    replaced run left behind never survives into this one."""
+    group = storage.open_group(store.influence_url, store.options, mode="a")
+    mine = {ref.fingerprint for ref in refs.values()}
+    stale = [name for name, array in group.arrays() if array.attrs.get("fingerprint") not in mine]
+    for name in stale:
+        del group[name]
+    return stale
 
 
 def query_rows(store: RunStore, data: DataRef, n_queries: int) -> list[QueryRow]:
@@ -63,6 +91,7 @@ def publish(
         "versions": package_versions(),
     }
     storage.write_json(store.url("summary.json"), summary, store.options)
+    prune(store, refs)
     group = storage.open_group(store.influence_url, store.options, mode="a")
     group.attrs.update(
         {

@@ -8,6 +8,8 @@ attribute, which makes the output count as complete, is written after the last c
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -151,9 +153,23 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
     return group
 
 
+def _stored_chunks(job: ScoreJob, name: str) -> set[int]:
+    """Train chunks whose every object of array `name` is in the store (one listing; tasks tile its last axis)."""
+    url = storage.join(job.influence_url, name)
+    present = storage.file_sizes(url, job.options)
+    meta = storage.open_array(url, job.options).metadata
+    grid = [math.ceil(size / chunk) for size, chunk in zip(meta.shape, meta.chunk_grid.chunk_shape)]
+    leading = list(itertools.product(*map(range, grid[:-1])))
+    return {i for i in range(grid[-1]) if all(meta.encode_chunk_key((*lead, i)) in present for lead in leading)}
+
+
 def pending_chunks(job: ScoreJob) -> list[int]:
-    """Chunks without a completion marker."""
+    """Chunks without a completion marker, or whose written shard is gone: a marker alone never counts."""
     done = {int(name) for name in storage.list_names(job.markers_url, job.options) if name.isdigit()}
+    group = storage.open_group(job.influence_url, job.options, mode="r")
+    for name in ("scores", "self_influence"):
+        if name in group:
+            done &= _stored_chunks(job, name)
     return [i for i in range(job.layout.n_tasks) if i not in done]
 
 

@@ -1,9 +1,10 @@
 """Stage bookkeeping: deterministic keys, output locations, and manifests written last as completion marks.
 
 A stage's key hashes its input fingerprints, its own config and the code version. Its outputs live under
-`{cache_url}/{stage}/{key}`, beside `manifest.json`, which records the arguments (as Kronfluence does) and is
-written only after every output is in place, so a stage is complete exactly when its manifest is there and its
-output still carries the fingerprint the manifest names.
+`{cache_url}/{stage}/{key}`, beside `manifest.json`, which records the arguments (as Kronfluence does) and an
+inventory of the output, and is written only after every output is in place. A stage is complete exactly when its
+manifest is there and its output is still what the manifest recorded: the same fingerprint, and none of its
+objects gone or cut short (a deleted shard, a truncated file), so damage is recomputed, never served.
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ class StageLocation:
 
     def read(self, ref_type: type[R]) -> R | None:
         """The recorded output if the stage is complete and its output intact, else None."""
-        if not storage.exists(self.manifest_url, self.options):
+        try:
+            manifest = storage.read_json(self.manifest_url, self.options)
+        except (FileNotFoundError, ValueError):  # absent, or being written by a concurrent run
             return None
-        ref = ref_type.model_validate(storage.read_json(self.manifest_url, self.options)["output"])
-        return ref if output_intact(ref, self.options) else None
+        ref = ref_type.model_validate(manifest["output"])
+        return ref if output_intact(ref, manifest["inventory"], self.options) else None
 
     def write(self, ref: StageRef, arguments: dict[str, Any], inputs: dict[str, Ref]) -> None:
         manifest = {
@@ -74,19 +77,50 @@ class StageLocation:
             "arguments": arguments,
             "inputs": {name: r.model_dump(mode="json") for name, r in inputs.items()},
             "output": ref.model_dump(mode="json"),
+            "inventory": inventory(ref, self.options),
         }
         storage.write_json(self.manifest_url, manifest, self.options)
 
 
-def output_intact(ref: Ref, options: dict[str, Any]) -> bool:
-    """Zarr outputs must still carry the ref's fingerprint (another run may have overwritten them)."""
+def _zarr_outputs(ref: Ref, options: dict[str, Any]) -> list[str]:
+    """The Zarr node at ref.url and, when it is an array, the sibling arrays the same stage wrote (same fingerprint)."""
+    node = zarr.open(store=storage.zarr_store(ref.url, options, read_only=True), mode="r")
+    if isinstance(node, zarr.Group):
+        return [ref.url]
+    parent = ref.url.rsplit("/", 1)[0]
+    group = storage.open_group(parent, options, mode="r")
+    return [storage.join(parent, name) for name, array in group.arrays() if array.attrs.get("fingerprint") == ref.fingerprint]
+
+
+def inventory(ref: Ref, options: dict[str, Any]) -> dict[str, Any]:
+    """What a finished output consists of. Zarr: the size of every object of each output node. A file: its size and
+    store stamp (checked cheaply) and its content hash (read only when the stamp changed)."""
     if ".zarr" in ref.url:
-        try:
-            node = zarr.open(store=storage.zarr_store(ref.url, options, read_only=True), mode="r")
-        except (FileNotFoundError, KeyError, ValueError):
+        return {url: storage.file_sizes(url, options) for url in _zarr_outputs(ref, options)}
+    stamp = storage.file_stamp(ref.url, options)
+    assert stamp is not None, f"{ref.url} was not written"
+    return {"size": stamp[0], "stamp": stamp[1], "sha256": storage.content_hash(ref.url, options)}
+
+
+def output_intact(ref: Ref, recorded: dict[str, Any], options: dict[str, Any]) -> bool:
+    """Zarr outputs must still carry the ref's fingerprint (another run may have overwritten them) and every object
+    they had, at its size; a file must have its size, and its content hash unless its stamp is unchanged."""
+    if ".zarr" not in ref.url:
+        stamp = storage.file_stamp(ref.url, options)
+        if stamp is None or stamp[0] != recorded["size"]:
             return False
-        return node.attrs.get("fingerprint") == ref.fingerprint
-    return storage.exists(ref.url, options)
+        return stamp[1] == recorded["stamp"] or storage.content_hash(ref.url, options) == recorded["sha256"]
+    try:
+        node = zarr.open(store=storage.zarr_store(ref.url, options, read_only=True), mode="r")
+    except (FileNotFoundError, KeyError, ValueError):
+        return False
+    if node.attrs.get("fingerprint") != ref.fingerprint:
+        return False
+    for url, sizes in recorded.items():
+        present = storage.file_sizes(url, options)
+        if any(present.get(key) != size for key, size in sizes.items()):
+            return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -233,8 +233,8 @@ def earlier(earlier_run: Path, tmp_path: Path) -> Iterator[Path]:
 # -- the cases ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", [c.param for c in PARAMETER_CASES + RUNTIME_CASES])
 def test_bad_input_is_refused_early(case: Case, earlier: Path, tmp_path: Path) -> None:
-    config = small_params(str(earlier)).model_dump(mode="json")
-    before = manifests(earlier)
+    config = {**small_params(str(earlier)).model_dump(mode="json"), "overwrite": True}  # even allowed to replace it,
+    before = manifests(earlier)  # a run refused for bad input leaves the earlier run as it was
     case.change(config, tmp_path)
     result = invoke(config, tmp_path)
     assert_refused(result, case.code, case.field, *case.words)
@@ -254,7 +254,7 @@ def test_pickle_checkpoint_is_refused_without_running_its_code(earlier: Path, tm
             return (exec, (f"open({str(marker)!r}, 'w').close()",))
 
     torch.save({"weight": Payload()}, tmp_path / "evil.pt")
-    config = small_params(str(earlier)).model_dump(mode="json")
+    config = {**small_params(str(earlier)).model_dump(mode="json"), "overwrite": True}
     config["model"]["checkpoint"] = str(tmp_path / "evil.pt")
     line = assert_refused(invoke(config, tmp_path), 1, "model.checkpoint", "weights_only=True", "evil.pt")
     assert "state_dict" in line

@@ -43,7 +43,7 @@ def test_same_parameters_recompute_nothing(first_run):
 
 def test_changing_top_k_reruns_only_aggregate(first_run):
     params, _ = first_run
-    changed = params.model_copy(update={"aggregate": params.aggregate.model_copy(update={"top_k": 2})})
+    changed = params.model_copy(update={"aggregate": params.aggregate.model_copy(update={"top_k": 2}), "overwrite": True})  # other parameters, same output
     summary = influence_run(changed)
     got = outcomes(summary)
     assert got.pop("aggregate") == "computed"

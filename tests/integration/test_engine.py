@@ -15,9 +15,9 @@ from pathlib import Path
 import cloudpickle
 import numpy as np
 import pytest
+import yaml
 from distributed import Client, LocalCluster
 
-from flows.influence_run import influence_run
 from influence_core import ConfigError, storage
 from influence_core.cluster import dask_client
 from influence_core.layout import score_layout
@@ -154,35 +154,51 @@ class _borrowed:
         return None
 
 
+def cli_run(config: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`python -m flows.cli run --config ...` in a process of its own."""
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.usefixtures("prefect_api")
-def test_sigkill_during_compute_then_resume(reference, tmp_path):
+def test_sigkill_during_compute_then_resume_through_the_cli(tmp_path):
+    """Three processes: an uninterrupted CLI run, one SIGKILLed mid compute_influences, and the same CLI command
+    again, which redoes only the missing chunks and ends equal, bit for bit, to the uninterrupted run."""
     from prefect.settings import PREFECT_API_URL
 
-    params, _, expected = reference
-    run = slow_params(str(tmp_path / "run"))
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
-    script = "import sys; from flows.influence_run import influence_run; from flows.parameters import RunParameters; influence_run(RunParameters.model_validate_json(sys.argv[1]))"
-    proc = subprocess.Popen([sys.executable, "-c", script, run.model_dump_json()], env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO), "INFLUENCE_LOCK_DIR": str(tmp_path / "locks")}
+    configs = {}
+    for name in ("reference", "run"):
+        configs[name] = tmp_path / f"{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(slow_params(str(tmp_path / name)).model_dump(mode="json")))
+    reference = cli_run(configs["reference"], env)
+    victim = cli_run(configs["run"], env)
     done_glob = "stages/compute_influences/*/done/*"
-    deadline = time.time() + 240
+    deadline = time.time() + 400
     while len(list((tmp_path / "run").glob(done_glob))) < 3:
-        assert proc.poll() is None, f"the flow ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        assert victim.poll() is None, f"the flow ended before it could be killed: {victim.stderr.read()[-2000:]}"  # type: ignore[union-attr]
         assert time.time() < deadline
         time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
     done_before = len(list((tmp_path / "run").glob(done_glob)))
     assert 3 <= done_before < 13
+    run = slow_params(str(tmp_path / "run"))
     group, _ = read_outputs(run.store())
     assert group.attrs["status"] == "running"  # a killed run never looks complete
 
-    summary = influence_run(run)
+    resumed = cli_run(configs["run"], env)
+    for proc in (reference, resumed):
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(storage.read_bytes(run.store().url("summary.json"), {}))
+    assert summary["status"] == "complete"
     stage = summary["stages"]["compute_influences"]
     assert stage["outcome"] == "computed"
     assert stage["chunks_computed"] == 13 - done_before
     assert stage["gradient_rows"] == 400 - 32 * done_before  # sequential chunks finish in order; only the rest are redone
     group, arrays = read_outputs(run.store())
+    _, expected = read_outputs(slow_params(str(tmp_path / "reference")).store())
     assert group.attrs["status"] == "complete"
-    np.testing.assert_array_equal(arrays["scores"], expected["scores"])
-    np.testing.assert_array_equal(arrays["self_influence"], expected["self_influence"])
-    assert json.loads(storage.read_bytes(run.store().url("summary.json"), {}))["status"] == "complete"
+    assert arrays.keys() == expected.keys() >= {"scores", "self_influence", "topk_helpful_indices", "topk_harmful_scores", "argmax", "train_totals"}
+    for name, values in expected.items():
+        np.testing.assert_array_equal(arrays[name], values, err_msg=name)
