@@ -13,7 +13,8 @@
    --timeout is reported as such); then this project's whole Prefect flow on the same data and model
    (pipeline_runner.py).
 4. Writes benchmarks/results/peers.md (tables, flop model, GEMM rates, commands, targets), peers.png (seconds per
-   stage per side per workload) and peers.json (every raw result), and prints the summary.
+   stage per side per workload) and peers.json (every raw result), and prints the summary (each side's best W2
+   path and the targets). `--report-only` rewrites the report from peers.json without running anything.
 """
 
 from __future__ import annotations
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:
         results = json.loads(raw.read_text())
         agreement(results)
-        print(report.write(results, out, suffix, planning.E2E_PEARSON, THREADS))
+        print(report.summary(report.write(results, out, suffix, planning.E2E_PEARSON, THREADS), out / f"peers{suffix}.md"))
         return
 
     started = time.perf_counter()
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     harness.save(raw)
     agreement(harness.results)
     harness.save(raw)
-    print(report.write(harness.results, out, suffix, planning.E2E_PEARSON, THREADS))
+    print(report.summary(report.write(harness.results, out, suffix, planning.E2E_PEARSON, THREADS), out / f"peers{suffix}.md"))
 
 
 if __name__ == "__main__":

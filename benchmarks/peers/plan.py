@@ -4,6 +4,8 @@ answers, with every side's settings written out (λ comes from the workload, the
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +26,7 @@ class Config:
 
     @property
     def key(self) -> str:
-        """A file-name-safe identifier of this configuration."""
-        import hashlib
-        import json
-
+        """A file-name-safe identifier of this configuration (unique within a workload)."""
         digest = hashlib.sha256(json.dumps([self.side, self.method, self.options], sort_keys=True).encode()).hexdigest()[:8]
         return f"{self.side}-{self.method}-{digest}"
 

@@ -333,3 +333,16 @@ def write(results: dict[str, Any], out: Path, suffix: str, threshold: float, thr
     (out / f"peers{suffix}.md").write_text(text)
     plot(results, out / f"peers{suffix}.png")
     return text
+
+
+def summary(text: str, path: Path) -> str:
+    """What the harness prints at the end: where the report is, the per-side bests of W2 and the targets."""
+    def section(title: str) -> str:
+        start = text.find(f"\n## {title}")
+        if start < 0:
+            return ""
+        end = text.find("\n## ", start + 4)
+        return text[start : end if end > 0 else len(text)].strip()
+
+    best = [line for line in text.splitlines() if line.startswith("- ") and "fastest path reaching" in line]
+    return "\n".join([f"Report: {path}", *best, "", section("Targets")])
