@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast quality bench-scaling bench-big serve clean
+.PHONY: install demo test test-fast quality bench bench-quick bench-scaling bench-big serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ serve: $(STAMP)
 
 quality: $(STAMP)
 	$(BIN)/python benchmarks/quality.py
+
+# Side by side with pyDVL 0.10 and Kronfluence 1.0.1 (their venvs are built on first use under benchmarks/.venvs/)
+bench: $(STAMP)
+	$(BIN)/python benchmarks/peers.py
+
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/peers.py --quick
 
 bench-scaling: $(STAMP)
 	$(BIN)/python benchmarks/scaling.py

@@ -1,0 +1,134 @@
+"""What every side's runner shares: the workload on disk, the model, stage timers, peak RSS and the JSON line.
+
+Runners execute in different virtualenvs (this project's, pyDVL's, Kronfluence's), so this module needs nothing
+but the standard library, numpy and torch. A workload directory holds `data.npz` (x_train, y_train, x_test,
+y_test), `model.pt` (a state_dict of `build_model(spec)`, read with weights_only=True) and `workload.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
+
+def build_model(spec: dict[str, Any]) -> nn.Sequential:
+    """Sequential(Flatten, Linear, act, ..., Linear): the layout of the pipeline's `ModelSpec.build`, so one
+    state_dict serves the library, the peers and the pipeline (`model.checkpoint`)."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = spec["features"]
+    for h in spec["hidden"]:
+        layers += [nn.Linear(width, h), ACTIVATIONS[spec["activation"]]()]
+        width = h
+    layers.append(nn.Linear(width, spec["classes"]))
+    return nn.Sequential(*layers)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A prepared workload: its spec, the arrays as float32/int64 tensors and the trained model (eval mode)."""
+
+    spec: dict[str, Any]
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    model: nn.Sequential
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def load_workload(directory: str | Path, dtype: torch.dtype = torch.float32) -> Workload:
+    """Read a workload directory written by `workloads.prepare`."""
+    root = Path(directory)
+    spec = json.loads((root / "workload.json").read_text())
+    with np.load(root / "data.npz") as data:
+        arrays = {k: torch.from_numpy(np.ascontiguousarray(data[k])) for k in ("x_train", "y_train", "x_test", "y_test")}
+    model = build_model(spec)
+    model.load_state_dict(torch.load(root / "model.pt", map_location="cpu", weights_only=True))
+    model = model.to(dtype).eval()
+    xs = {k: v.to(dtype) for k, v in arrays.items() if k.startswith("x")}
+    return Workload(spec, xs["x_train"], arrays["y_train"].long(), xs["x_test"], arrays["y_test"].long(), model)
+
+
+@dataclass
+class Stages:
+    """Wall seconds per named stage (perf_counter around each block), and the process's peak RSS when each ended
+    (ru_maxrss only grows, so a stage's value is the peak up to its end)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    peak_rss: dict[str, int] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        self.peak_rss[name] = peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process and of its waited-for children (Linux reports ru_maxrss in KiB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (own + children) * 1024
+
+
+def runner_args(description: str) -> argparse.ArgumentParser:
+    """The arguments every runner takes: workload, method, options (JSON), where the scores go, threads."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--workload", required=True, help="workload directory (data.npz, model.pt, workload.json)")
+    p.add_argument("--method", required=True, help="the side's method name")
+    p.add_argument("--options", default="{}", help="method options as JSON")
+    p.add_argument("--scores", required=True, help="where to save the (n_test, n_train) scores (.npy)")
+    p.add_argument("--regularization", type=float, required=True, help="λ, absolute, the same on every side")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0, help="torch seed (sampled labels, random sketches)")
+    return p
+
+
+def run_side(description: str, body: Callable[[argparse.Namespace, Workload, Stages], tuple[torch.Tensor, dict[str, Any]]]) -> None:
+    """Parse the arguments, load the workload, run `body` (which returns scores and extra info), save the scores
+    and print exactly one JSON line on stdout; everything the libraries print goes to stderr."""
+    args = runner_args(description).parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    real_stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        workload = load_workload(args.workload)
+        stages = Stages()
+        scores, info = body(args, workload, stages)
+    scores = scores.detach().to(torch.float32).cpu().numpy()
+    expected = (len(workload.y_test), len(workload.y_train))
+    if scores.shape != expected:
+        raise SystemExit(f"scores have shape {scores.shape}, expected {expected}")
+    np.save(args.scores, scores)
+    result = {
+        "method": args.method,
+        "options": json.loads(args.options),
+        "stages": stages.seconds,
+        "stage_peak_rss_bytes": stages.peak_rss,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "n_params": workload.n_params,
+        "threads": torch.get_num_threads(),
+        "finite": bool(np.isfinite(scores).all()),
+        "torch": torch.__version__,
+        **info,
+    }
+    real_stdout.write(json.dumps(result) + "\n")
+    real_stdout.flush()

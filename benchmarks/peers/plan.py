@@ -1,0 +1,157 @@
+"""What the peer benchmark runs: per workload, the rows that compare sides, the end-to-end sweep and the exact
+answers, with every side's settings written out (λ comes from the workload, the same number on every side).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# The agreement with the converged answer at which the end-to-end comparison (W2) picks each side's fastest path.
+E2E_PEARSON = 0.99
+
+
+@dataclass(frozen=True)
+class Config:
+    """One side's method and options; `matrix` is the curvature it solves (hessian, ggn, ef, ekfac), which picks
+    the exact answer it is compared with."""
+
+    side: str
+    method: str
+    matrix: str
+    label: str
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def key(self) -> str:
+        """A file-name-safe identifier of this configuration (unique within a workload)."""
+        digest = hashlib.sha256(json.dumps([self.side, self.method, self.options], sort_keys=True).encode()).hexdigest()[:8]
+        return f"{self.side}-{self.method}-{digest}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """Configurations run side by side, alternating, `reps` times each (`None`: the harness's --reps)."""
+
+    workload: str
+    title: str
+    configs: tuple[Config, ...]
+    reps: int | None = None
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An exact answer (reference.py) on the first `queries` queries."""
+
+    matrix: str
+    solver: str
+    queries: int
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The whole flow on a workload, beside the library row whose configuration it repeats."""
+
+    workload: str
+    title: str
+    config: Config
+    method: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: list[Row]
+    sweep: list[Row]
+    references: dict[str, list[Reference]]
+    pipelines: list[Pipeline]
+    skipped: list[str]
+
+
+def _pydvl_rtol(rtol: float) -> float:
+    """pyDVL 0.10's CG stops at ‖r‖ < rtol²·‖b‖: the rtol to pass for a relative residual of `rtol`."""
+    return rtol**0.5
+
+
+def build(quick: bool, workloads: list[str], ours_options: set[str]) -> Plan:
+    """The plan for the chosen workloads; `ours_options` are the keyword options this version of ours accepts
+    (optional features such as `query_rank` are planned only when present)."""
+    rows: list[Row] = []
+    sweep: list[Row] = []
+    references: dict[str, list[Reference]] = {}
+    pipelines: list[Pipeline] = []
+    skipped: list[str] = []
+
+    if "W1" in workloads:
+        cg_rtol = 1e-6
+        rows += [
+            Row("W1", "Direct, Hessian", (
+                Config("ours", "direct", "hessian", "DirectInfluence(hessian)", {"second_order_mode": "hessian", "batch_size": 512}),
+                Config("pydvl", "direct", "hessian", "DirectInfluence(HESSIAN)", {"second_order_mode": "hessian", "batch_size": 512}),
+            )),
+            Row("W1", "CG, Hessian", (
+                Config("ours", "cg", "hessian", f"CgInfluence(hessian, rtol={cg_rtol:g})", {"second_order_mode": "hessian", "rtol": cg_rtol, "batch_size": 512}),
+                Config("pydvl", "cg", "hessian", f"CgInfluence(HESSIAN, block, rtol={_pydvl_rtol(cg_rtol):g})",
+                       {"second_order_mode": "hessian", "rtol": _pydvl_rtol(cg_rtol), "solve_simultaneously": True, "batch_size": 512}),
+            )),
+        ]
+        skipped.append(
+            "pyDVL's default per-vector CG (`solve_simultaneously=False`) is not a row: its stopping test compares each residual with rtol² "
+            "times the norm of a *column* of the right-hand-side matrix (one parameter across the queries), floored at atol², so systems "
+            "run towards maxiter = 10·p; in a smoke run on 300 digits (p = 2,410, 40 queries, rtol 1e-3) its query factors took 360 s "
+            "against 12.7 s for its block CG. pyDVL's block CG is used throughout."
+        )
+        references["W1"] = [Reference("hessian", "direct", 10**9)]
+
+    if "W2" in workloads:
+        batch = 500
+        rtol = 1e-3
+        depth = 10 if quick else 100
+        lissa = {"lissa_batch_size": 256, "scale": 2.0, "depth": depth, "rtol": 1e-12, "batch_size": batch}
+        pydvl_lissa = {"batch_size": 256, "scale": 2.0, "maxiter": depth, "rtol": 1e-12}
+        ggn = Config("ours", "cg", "ggn", f"CgInfluence(gauss_newton = GGN, rtol={rtol:g})", {"second_order_mode": "gauss_newton", "rtol": rtol, "batch_size": batch})
+        rows += [
+            Row("W2", "CG, Hessian", (
+                Config("ours", "cg", "hessian", f"CgInfluence(hessian, rtol={rtol:g})", {"second_order_mode": "hessian", "rtol": rtol, "batch_size": batch}),
+                Config("pydvl", "cg", "hessian", f"CgInfluence(HESSIAN, block, rtol={_pydvl_rtol(rtol):.3g})",
+                       {"second_order_mode": "hessian", "rtol": _pydvl_rtol(rtol), "solve_simultaneously": True, "batch_size": batch}),
+            )),
+            Row("W2", "CG, Gauss-Newton", (
+                ggn,
+                Config("pydvl", "cg", "ef", f"CgInfluence(GAUSS_NEWTON = EF, block, rtol={_pydvl_rtol(rtol):.3g})",
+                       {"second_order_mode": "gauss_newton", "rtol": _pydvl_rtol(rtol), "solve_simultaneously": True, "batch_size": batch}),
+            )),
+            Row("W2", f"LiSSA, Hessian ({depth} steps of 256)", (
+                Config("ours", "lissa", "hessian", f"LissaInfluence(hessian, J={depth}, B=256, s=2)", {"second_order_mode": "hessian", **lissa}),
+                Config("pydvl", "lissa", "hessian", f"LissaInfluence(HESSIAN, maxiter={depth}, B=256, s=2)", {"second_order_mode": "hessian", **pydvl_lissa}),
+            )),
+        ]
+        # End to end: more settings, one run each; the rows above count too. Cheaper points only (looser CG
+        # tolerances, EK-FAC): LiSSA's points are its rows above, each a full pass of its steps.
+        sweep += [
+            Row("W2", "end to end", (
+                *(Config("ours", "cg", "ggn", f"CgInfluence(GGN, rtol={r:g})", {"second_order_mode": "gauss_newton", "rtol": r, "batch_size": batch}) for r in (1e-1, 1e-2)),
+                Config("ours", "ekfac", "ggn", "EkfacInfluence(sampled Fisher)", {"fisher": "sampled", "batch_size": 256}),
+                *(Config("pydvl", "cg", "ef", f"CgInfluence(EF, block, rtol={_pydvl_rtol(r):.3g})",
+                         {"second_order_mode": "gauss_newton", "rtol": _pydvl_rtol(r), "solve_simultaneously": True, "batch_size": batch}) for r in (1e-1, 1e-2)),
+                Config("pydvl", "ekfac", "ggn", "EkfacInfluence(update_diagonal=True)", {"update_diagonal": True, "batch_size": 256}),
+            ), reps=1),
+        ]
+        queries = 10 if quick else 25
+        references["W2"] = [Reference("ggn", "cg", queries), Reference("hessian", "cg", queries), Reference("ef", "woodbury", queries)]
+        pipelines.append(Pipeline("W2", "CG, GGN", ggn, {"name": "cg", "second_order_mode": "gauss_newton", "rtol": rtol, "batch_size": batch}))
+
+    if "W3" in workloads:
+        ekfac = Config("ours", "ekfac", "ekfac", "EkfacInfluence(fisher=sampled)", {"fisher": "sampled", "batch_size": 256})
+        rows.append(Row("W3", "EK-FAC", (ekfac, Config("kronfluence", "ekfac", "ekfac", "fit_all_factors(ekfac) + compute_pairwise_scores", {"batch_size": 256}))))
+        rank = 16
+        if "query_rank" in ours_options:
+            rows.append(Row("W3", f"EK-FAC, query factors of rank {rank}", (
+                Config("ours", "ekfac", "ekfac", f"EkfacInfluence(fisher=sampled, query_rank={rank})", {"fisher": "sampled", "batch_size": 256, "query_rank": rank}),
+                Config("kronfluence", "ekfac", "ekfac", f"... query_gradient_low_rank={rank}", {"batch_size": 256, "query_rank": rank}),
+            )))
+        else:
+            skipped.append(f"W3 low-rank query factors: this version of ours has no `query_rank` option, so neither side was run at rank {rank}.")
+        pipelines.append(Pipeline("W3", "EK-FAC", ekfac, {"name": "ekfac", "fisher": "sampled", "batch_size": 256}))
+    return Plan(rows, sweep, references, pipelines, skipped)

@@ -1,0 +1,74 @@
+"""The peer benchmark's own parts: our runner's scores against the independent float64 reference, the reference's
+solvers against each other, and the subprocess wrapper's failure reporting (benchmarks/peers/)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
+sys.path.insert(0, str(PEERS))
+
+import execute  # noqa: E402
+import workloads  # noqa: E402
+
+LAM = 0.2  # above the tiny model's most negative Hessian eigenvalue (about -0.06)
+SPEC = {"name": "T", "source": "synthetic", "features": 6, "hidden": [5], "activation": "tanh", "classes": 3, "n_train": 120, "n_test": 7,
+        "regularization": LAM, "epochs": 30, "batch": 32, "lr": 1e-2, "weight_decay": 1e-3, "seed": 3, "quick": True}
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return workloads.prepare(SPEC, tmp_path_factory.mktemp("peers"))
+
+
+def run(script: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, str(PEERS / script), *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def reference(workload: Path, matrix: str, solver: str, out: Path) -> np.ndarray:
+    run("reference.py", "--workload", str(workload), "--matrix", matrix, "--solver", solver, "--queries", "7", "--regularization", str(LAM), "--out", str(out))
+    return np.load(out)
+
+
+def test_prepare_is_deterministic_and_reused(workload: Path, tmp_path: Path) -> None:
+    again = workloads.prepare(SPEC, tmp_path)
+    with np.load(workload / "data.npz") as a, np.load(again / "data.npz") as b:
+        assert all(np.array_equal(a[k], b[k]) for k in a.files)
+    assert json.loads((again / "workload.json").read_text())["n_params"] == 6 * 5 + 5 + 5 * 3 + 3
+    assert workloads.prepare(SPEC, tmp_path) == again  # found complete, not written again
+
+
+@pytest.mark.parametrize(("method", "mode", "matrix"), [("direct", "hessian", "hessian"), ("cg", "gauss_newton", "ggn")])
+def test_our_runner_matches_the_independent_reference(workload: Path, tmp_path: Path, method: str, mode: str, matrix: str) -> None:
+    """Sign, scale and λ of the runner's scores, against reference.py's float64 Direct solve (torch.func only)."""
+    options = {"second_order_mode": mode, **({"rtol": 1e-7} if method == "cg" else {})}
+    result = run("ours_runner.py", "--workload", str(workload), "--method", method, "--options", json.dumps(options),
+                 "--regularization", str(LAM), "--scores", str(tmp_path / "ours.npy"))
+    exact = reference(workload, matrix, "direct", tmp_path / "exact.npy")
+    ours = np.load(tmp_path / "ours.npy")
+    assert ours.shape == exact.shape == (7, 120)
+    np.testing.assert_allclose(ours, exact, rtol=0, atol=2e-4 * np.abs(exact).max())
+    assert set(result["stages"]) == {"fit", "query_factors", "pairwise"} and result["peak_rss_bytes"] > 0
+
+
+@pytest.mark.parametrize(("matrix", "solver"), [("hessian", "cg"), ("ggn", "cg"), ("ef", "woodbury")])
+def test_reference_solvers_agree_with_its_direct_solve(workload: Path, tmp_path: Path, matrix: str, solver: str) -> None:
+    direct = reference(workload, matrix, "direct", tmp_path / "direct.npy")
+    other = reference(workload, matrix, solver, tmp_path / "other.npy")
+    np.testing.assert_allclose(other, direct, rtol=0, atol=1e-7 * np.abs(direct).max())
+
+
+def test_failures_and_timeouts_are_results(tmp_path: Path) -> None:
+    failed = execute.run_json([sys.executable, "-c", "import sys; sys.exit('boom')"], 60, tmp_path / "fail.log")
+    assert failed["failed"] and "boom" in failed["error"] and not execute.ok(failed)
+    slow = execute.run_json([sys.executable, "-c", "import time; time.sleep(600)"], 1, tmp_path / "slow.log")
+    assert slow["timed_out"] and execute.outcome(slow) == "timed out after 1 s"
+    fine = execute.run_json([sys.executable, "-c", "print('{\"x\": 1}')"], 60, tmp_path / "ok.log")
+    assert execute.ok(fine) and fine["x"] == 1
