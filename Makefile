@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast quality bench bench-quick bench-scaling bench-big serve clean
+.PHONY: install demo test test-fast quality bench bench-quick bench-scaling bench-big bench-soak serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,9 @@ bench-scaling: $(STAMP)
 
 bench-big: $(STAMP)
 	$(BIN)/python benchmarks/big_model.py
+
+bench-soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py
 
 clean:
 	rm -rf runs .pytest_cache

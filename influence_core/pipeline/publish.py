@@ -51,7 +51,7 @@ def begin_run(store: RunStore, fingerprint: str, overwrite: bool) -> None:
     storage.open_group(store.influence_url, store.options, mode="a").attrs.put({"status": "running", "run_fingerprint": fingerprint})
 
 
-def prune(store: RunStore, refs: dict[str, StageRef]) -> list[str]:
+def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
     """Delete the arrays no stage of this run wrote (every stage marks its arrays with its fingerprint): what a
     replaced run left behind never survives into this one."""
     group = storage.open_group(store.influence_url, store.options, mode="a")
@@ -59,7 +59,6 @@ def prune(store: RunStore, refs: dict[str, StageRef]) -> list[str]:
     stale = [name for name, array in group.arrays() if array.attrs.get("fingerprint") not in mine]
     for name in stale:
         del group[name]
-    return stale
 
 
 def query_rows(store: RunStore, data: DataRef, n_queries: int) -> list[QueryRow]:

@@ -137,3 +137,24 @@ def test_damaged_output_is_detected_and_recomputed(case, tmp_path):
     assert arrays.keys() == expected.keys()
     for name, values in expected.items():
         np.testing.assert_array_equal(arrays[name], values, err_msg=name)  # identical, never NaN or stale
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_damage_on_s3_is_detected_and_recomputed(s3_endpoint, s3_bucket):
+    """The same checks against S3 objects (ETags instead of modification times): a shorter model.pt and a lost shard."""
+    params = small_params(f"s3://{s3_bucket}/run", storage={"endpoint_url": s3_endpoint})
+    influence_run(params)
+    _, expected = read_outputs(params.store())
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True, use_listings_cache=False)
+    [model] = fs.glob(f"{s3_bucket}/run/stages/fit_model/*/model.pt")
+    fs.pipe_file(model, fs.cat_file(model)[:100])
+    fs.rm(f"{s3_bucket}/run/influence.zarr/scores/c/0/2")
+
+    summary = influence_run(params)
+    outcomes = {name: s["outcome"] for name, s in summary["stages"].items()}
+    assert outcomes.pop("fit_model") == outcomes.pop("compute_influences") == "computed"
+    assert set(outcomes.values()) <= {"cached", "found complete"}
+    assert summary["stages"]["compute_influences"]["chunks_computed"] == 1
+    _, arrays = read_outputs(params.store())
+    for name, values in expected.items():
+        np.testing.assert_array_equal(arrays[name], values, err_msg=name)
