@@ -97,6 +97,7 @@ class InfluenceFunctionModel(ABC):
     thread_safe: ClassVar[bool] = False
     needs_positive_regularization: ClassVar[bool] = False
     row_order: ClassVar[RowOrder] = "parameters"  # how a layer's columns lie in a factor row
+    cheap_solve: ClassVar[bool] = False  # whether `auto` self-influence may solve once per training example
 
     def __init__(
         self,
@@ -310,25 +311,21 @@ class InfluenceFunctionModel(ABC):
     # -- self-influence ---------------------------------------------------------------------------
     def self_influence_plan(self, mode: SelfInfluenceMode = "exact", rank: int = 32, n_queries: int | None = None) -> SelfInfluencePlan:
         """How self-influences are computed: `exact`; `lowrank`, a rank-`rank` sketch where the exact value needs a
-        solve per example (exact elsewhere); `auto`, exact where that costs no more than about half of scoring
-        `n_queries` queries, else the sketch at `auto_rank`; or `off`."""
+        solve per example (exact elsewhere); `auto`, exact where the method makes it cheap (`cheap_solve`, or a
+        form other than a solve per example), else the sketch at `auto_rank` for `n_queries` queries; or `off`."""
         self._require_fitted()
         if mode == "off":
             return None
         exact = self._exact_self_plan()
         if mode == "exact" or not isinstance(exact, Solve):
             return exact
-        if mode == "auto" and self._solve_is_cheap(n_queries):
+        if mode == "auto" and self.cheap_solve:
             return exact
         return self._low_rank_self_plan(rank if mode == "lowrank" else auto_rank(rank, n_queries or 2 * rank))
 
     def _exact_self_plan(self) -> SelfInfluencePlan:
         """The method's exact form: by default its solver, applied to every example's features."""
         return Solve()
-
-    def _solve_is_cheap(self, n_queries: int | None) -> bool:
-        """Whether the solve per example costs about half of scoring n_queries queries or less."""
-        return False
 
     def _low_rank_self_plan(self, rank: int) -> Sketch:
         """Each block's top-`rank` eigenspace exact, the rest at its mean eigenvalue."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..blocks import BlockCurvature
@@ -51,7 +53,4 @@ class DirectInfluence(InfluenceFunctionModel):
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return DirectSolver(curvature, lam)
 
-    def _solve_is_cheap(self, n_queries: int | None) -> bool:
-        """Two triangular solves cost Σ_b p_b² per example, scoring n_queries·p: cheap up to half of that."""
-        dims = [s.feature_dim for s in self.solvers.values()]
-        return n_queries is not None and sum(d * d for d in dims) <= n_queries * sum(dims) / 2
+    cheap_solve: ClassVar[bool] = True  # self-influence's triangular solves cost Σ_b p_b² per example: each example's share of forming C, which the fit already paid
