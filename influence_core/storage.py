@@ -144,7 +144,6 @@ def _check_s3(url: str, options: dict[str, Any], field: str) -> None:
     import botocore.session
 
     bucket = url.split("://", 1)[1].split("/", 1)[0]
-<<<<<<< HEAD
     endpoint = options.get("client_kwargs", {}).get("endpoint_url")
     if not options.get("anon") and botocore.session.get_session().get_credentials() is None:
         raise ConfigError(
@@ -155,11 +154,7 @@ def _check_s3(url: str, options: dict[str, Any], field: str) -> None:
     if endpoint:
         _check_endpoint(endpoint)
     where = endpoint or "the default AWS endpoint"
-    fs, _ = filesystem(url, options)
-=======
-    endpoint = options.get("client_kwargs", {}).get("endpoint_url", "the default AWS endpoint")
     fs, _ = filesystem(url, {**options, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}})  # a wrong endpoint fails in seconds
->>>>>>> reliability-faults
     try:
         found = fs.exists(bucket)
     except PermissionError as exc:
