@@ -110,6 +110,8 @@ def plan_from_state(state: dict) -> SelfInfluencePlan:
 
 
 def describe(plan: SelfInfluencePlan) -> dict:
-    """What a summary says about a plan: its form, and the sketch's rank."""
+    """What a summary says about a plan: its form, and the sketch's rank (rows per block of the curvature)."""
     state = plan_state(plan)
-    return {"form": state["kind"], **({"rank": int(len(plan.rows))} if isinstance(plan, Sketch) else {})}
+    if not isinstance(plan, Sketch):
+        return {"form": state["kind"]}
+    return {"form": "sketch", "rank": int(torch.bincount(plan.row_block).max()) if len(plan.row_block) else 0}

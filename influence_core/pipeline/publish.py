@@ -44,11 +44,15 @@ def check_owner(store: RunStore, fingerprint: str, overwrite: bool) -> None:
 
 
 def begin_run(store: RunStore, fingerprint: str, overwrite: bool) -> None:
-    """Under the run lock, just before scoring: check the owner again, then flag the output running with this run's
-    parameters (a replaced run's attributes go now, its arrays when this run publishes). Stages before it write only
-    their own content-addressed outputs, so a run refused by bad input leaves an earlier run as it was."""
+    """Under the run lock, just before scoring: check the owner again, then claim the output for this run's
+    parameters. A new or replaced output is flagged running at once (the replaced run's attributes go now, its
+    arrays when this run publishes); an output of these same parameters stays as it is, and the scoring or
+    aggregation stage that rewrites part of it flags it. Stages before this write only their own content-addressed
+    outputs, so a run refused for bad input leaves an earlier run as it was."""
     check_owner(store, fingerprint, overwrite)
-    storage.open_group(store.influence_url, store.options, mode="a").attrs.put({"status": "running", "run_fingerprint": fingerprint})
+    group = storage.open_group(store.influence_url, store.options, mode="a")
+    if group.attrs.get("run_fingerprint") != fingerprint:
+        group.attrs.put({"status": "running", "run_fingerprint": fingerprint})
 
 
 def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
