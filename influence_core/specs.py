@@ -235,7 +235,7 @@ class KfacMethod(MethodBase, Damped, Projected):
 
     name: Literal["kfac"] = Field("kfac", title="Method", description="K-FAC: Kronecker-factored Gauss-Newton per Linear/Conv2d layer (always layer-wise).")
     fisher: Literal["auto", "exact", "sampled"] = Field("auto", title="Fisher", description="exact: the expectation over the outputs, one backward pass per output; sampled: targets drawn from the model (seeded), fisher_samples per example; auto: exact up to 64 outputs per example, sampled above.")
-    fisher_samples: int = Field(1, ge=1, title="Samples per example", description="Targets drawn per example for the sampled Fisher, one backward pass each; the sampling noise falls as 1/samples.")
+    fisher_samples: int = Field(1, ge=1, title="Samples per example", description="Targets drawn per example for the sampled Fisher, one backward pass each; the sampling variance falls as 1/samples.")
     seed: int = Field(0, title="Seed", description="Seed of the sampled targets.")
 
 

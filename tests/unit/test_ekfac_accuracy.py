@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from influence_core import DirectInfluence, EkfacInfluence, KfacInfluence
 from influence_core.errors import ConfigError
 from influence_core.layers import resolve_fisher
-from tests.problems import Problem, digits
+from tests.problems import Problem, adam_cnn, adam_mlp
 
 LAMS = (1e-2, 1e-3)
 
@@ -26,30 +25,14 @@ def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(np.corrcoef(a.ravel().numpy(), b.ravel().numpy())[0, 1])
 
 
-def adam_problem(name: str, model: nn.Module, image: bool) -> Problem:
-    """The issue's setup: digits 600/40, Adam (lr 1e-2, 500 full-batch steps), no weight decay, float64."""
-    x, y, xt, yt = digits(600, 40)
-    if image:
-        x, xt = x.reshape(-1, 1, 8, 8), xt.reshape(-1, 1, 8, 8)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(500):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    return Problem(name, model, "cross_entropy", x, y, xt, yt, 0.0)
-
-
 @pytest.fixture(scope="module")
 def mlp() -> Problem:
-    torch.manual_seed(0)
-    return adam_problem("MLP 64-32-10", nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)).double(), image=False)
+    return adam_mlp()
 
 
 @pytest.fixture(scope="module")
 def cnn() -> Problem:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 10)).double()
-    return adam_problem("CNN", model, image=True)
+    return adam_cnn()
 
 
 def gauss_newton_scores(pr: Problem, lam: float, blocks: str) -> torch.Tensor:
