@@ -105,14 +105,17 @@ def adam_digits(name: str, model: nn.Module, image: bool, steps: int = 500) -> P
     return Problem(name, model, "cross_entropy", x, y, xt, yt, 0.0)
 
 
+# Initialised in float32, then cast: the same model whatever torch's default dtype (the benchmarks set float64).
 def adam_mlp() -> Problem:
     torch.manual_seed(0)
-    return adam_digits("MLP 64-32-10 (tanh, Adam)", nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)).double(), image=False)
+    f32 = {"dtype": torch.float32}
+    return adam_digits("MLP 64-32-10 (tanh, Adam)", nn.Sequential(nn.Linear(64, 32, **f32), nn.Tanh(), nn.Linear(32, 10, **f32)).double(), image=False)
 
 
 def adam_cnn() -> Problem:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 10)).double()
+    f32 = {"dtype": torch.float32}
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, **f32), nn.Tanh(), nn.Conv2d(4, 4, 3, **f32), nn.Tanh(), nn.Flatten(), nn.Linear(64, 10, **f32)).double()
     return adam_digits("CNN 2×conv4 + linear (tanh, Adam)", model, image=True)
 
 
