@@ -22,7 +22,8 @@ from .losses import LOSSES, LossFn
 from .noise import ExampleNoise
 
 SUPPORTED = (nn.Linear, nn.Conv2d)
-FisherKind = Literal["sampled", "exact"]
+FisherKind = Literal["auto", "sampled", "exact"]
+EXACT_FISHER_MAX_OUTPUTS = 64  # "auto" takes the exact expectation up to this many outputs per example, samples above
 
 
 @dataclass(frozen=True)
@@ -184,17 +185,20 @@ def capture(
     loss_fn: LossFn,
     x: torch.Tensor,
     y: torch.Tensor,
-    mode: Literal["labels", "sampled", "exact"] = "labels",
+    mode: Literal["labels", "auto", "sampled", "exact"] = "labels",
     noise: ExampleNoise | None = None,
     offset: int = 0,
+    samples: int = 1,
 ) -> Capture:
     """One forward pass and the gradients with respect to every tracked layer's output, recording (a, g).
 
     - labels: g = ∂ℓ(f(x), y)/∂output, the true per-example gradient;
-    - sampled: g from targets drawn from the model's predictive distribution (the true Fisher), with the noise of
-      examples offset, offset+1, ... so the draws do not depend on batching;
+    - sampled: g from `samples` targets per example drawn from the model's predictive distribution (the true
+      Fisher), each scaled by 1/√samples, with the noise of examples offset, offset+1, ... so the draws do not
+      depend on batching;
     - exact: one backward pass per column of a square root of ∇²ℓ(f), so Σ_columns g gᵀ is the exact
-      Gauss-Newton factor.
+      Gauss-Newton factor;
+    - auto: exact up to EXACT_FISHER_MAX_OUTPUTS outputs per example (or for a loss without a sampler), else sampled.
     Parameters' .grad are never touched.
     """
     inputs: dict[str, torch.Tensor] = {}
@@ -207,7 +211,7 @@ def capture(
     if mode == "labels":
         roots, cotangents = [loss_fn(out, y) * len(x)], [None]  # the sum over examples: each gets its own gradient
     else:
-        cotangents = _fisher_cotangents(out.detach(), y, loss_fn, mode, noise, offset)
+        cotangents = _fisher_cotangents(out.detach(), y, loss_fn, resolve_fisher(mode, loss_fn, out[0].numel()), noise, offset, samples)
         roots = [out] * len(cotangents)
     grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     for i, (root, cotangent) in enumerate(zip(roots, cotangents)):
@@ -217,27 +221,50 @@ def capture(
     return Capture(inputs, grads)
 
 
-def _fisher_cotangents(out: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, mode: str, noise: ExampleNoise | None, offset: int) -> list[torch.Tensor]:
-    """Output cotangents whose outer products average to the output Hessian of the loss (per example)."""
+def _samplable(loss_fn: LossFn) -> bool:
+    """Whether targets can be drawn from the model's predictive distribution for this loss."""
+    return loss_fn is F.cross_entropy or loss_fn is LOSSES["mse"]
+
+
+def resolve_fisher(kind: str, loss_fn: LossFn, outputs: int) -> str:
+    """'auto' → 'exact' for at most EXACT_FISHER_MAX_OUTPUTS outputs per example (or a loss without a sampler), else
+    'sampled': the exact expectation costs one backward pass per output, sampling one per draw."""
+    if kind != "auto":
+        return kind
+    return "exact" if outputs <= EXACT_FISHER_MAX_OUTPUTS or not _samplable(loss_fn) else "sampled"
+
+
+def _fisher_cotangents(out: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, mode: str, noise: ExampleNoise | None, offset: int, samples: int) -> list[torch.Tensor]:
+    """Output cotangents whose outer products sum to the output Hessian of the loss per example: exactly (the columns
+    of a square root), or in expectation over sampled targets."""
+    if mode == "sampled":
+        if not _samplable(loss_fn):
+            raise ConfigError("method.fisher", "the sampled Fisher needs the cross_entropy or mse loss", "use fisher='exact' with a custom loss")
+        assert noise is not None
+        return _sampled_cotangents(out, loss_fn, noise, offset, samples)
     if loss_fn is F.cross_entropy:
         probs = torch.softmax(out, dim=-1)
-        if mode == "sampled":
-            assert noise is not None
-            u = noise.uniform(offset, offset + len(out), probs)
-            sampled = (probs.cumsum(-1) < u[:, None]).sum(-1).clamp_max(out.shape[-1] - 1)  # inverse-CDF draw
-            return [probs - F.one_hot(sampled, out.shape[-1]).to(out.dtype)]
         eye = torch.eye(out.shape[-1], dtype=out.dtype, device=out.device)
         return [probs[:, c : c + 1].sqrt() * (eye[c] - probs) for c in range(out.shape[-1])]
     if loss_fn is LOSSES["mse"]:
         d = out[0].numel()  # mean squared error over d outputs: ∇²ℓ = (2/d)·I
-        if mode == "sampled":
-            assert noise is not None
-            return [(2.0 / d) ** 0.5 * noise.normal(offset, offset + len(out), tuple(out.shape), out)]
         basis = torch.eye(d, dtype=out.dtype, device=out.device) * (2.0 / d) ** 0.5
         return [basis[c].expand(out.shape[0], d).reshape(out.shape) for c in range(d)]
-    if mode == "sampled":
-        raise ConfigError("method.fisher", "the sampled Fisher needs the cross_entropy or mse loss", "use fisher='exact' with a custom loss")
     return _exact_square_root(out, y, loss_fn)
+
+
+def _sampled_cotangents(out: torch.Tensor, loss_fn: LossFn, noise: ExampleNoise, offset: int, samples: int) -> list[torch.Tensor]:
+    """∂ℓ(f, ỹ)/∂f for `samples` targets ỹ ~ p(y | f) per example (a label from the softmax; for mse, Gaussian
+    noise with ∇²ℓ's covariance), each scaled by 1/√samples so that the outer products average over the draws."""
+    n, scale = len(out), samples**-0.5
+    if loss_fn is F.cross_entropy:
+        probs = torch.softmax(out, dim=-1)
+        u = noise.uniform(offset, offset + n, probs, samples)
+        labels = (probs.cumsum(-1)[:, None, :] < u[:, :, None]).sum(-1).clamp_max(out.shape[-1] - 1)  # inverse-CDF draws
+        return [scale * (probs - F.one_hot(labels[:, k], out.shape[-1]).to(out.dtype)) for k in range(samples)]
+    d = out[0].numel()  # mean squared error over d outputs: ∇²ℓ = (2/d)·I
+    z = noise.normal(offset, offset + n, (n, samples, *out.shape[1:]), out)
+    return [scale * (2.0 / d) ** 0.5 * z[:, k] for k in range(samples)]
 
 
 def _exact_square_root(out: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> list[torch.Tensor]:

@@ -235,8 +235,9 @@ class KfacMethod(MethodBase, Damped, Projected):
     model_config = ConfigDict(title="K-FAC")
 
     name: Literal["kfac"] = Field("kfac", title="Method", description="K-FAC: Kronecker-factored Gauss-Newton per Linear/Conv2d layer (always layer-wise).")
-    fisher: Literal["sampled", "exact"] | None = Field(None, title="Fisher", description="sampled: labels drawn from the model (seeded), the default for cross_entropy; exact: one backward pass per output, the default otherwise.")
-    seed: int = Field(0, title="Seed", description="Seed of the sampled labels.")
+    fisher: Literal["auto", "exact", "sampled"] = Field("auto", title="Fisher", description="exact: the expectation over the outputs, one backward pass per output; sampled: targets drawn from the model (seeded), fisher_samples per example; auto: exact up to 64 outputs per example, sampled above.")
+    fisher_samples: int = Field(1, ge=1, title="Samples per example", description="Targets drawn per example for the sampled Fisher, one backward pass each; the sampling variance falls as 1/samples.")
+    seed: int = Field(0, title="Seed", description="Seed of the sampled targets.")
 
 
 class EkfacMethod(KfacMethod):

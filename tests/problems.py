@@ -91,6 +91,34 @@ def mlp(n_train: int = 300, n_test: int = 20, hidden: int = 8, weight_decay: flo
     return Problem("MLP (digits)", model, "cross_entropy", x, y, xt, yt, weight_decay)
 
 
+def adam_digits(name: str, model: nn.Module, image: bool, steps: int = 500) -> Problem:
+    """Issue 12's held-out check: digits 600/40, Adam (lr 1e-2, full batch) without weight decay, float64; not at an
+    optimum, as users' models are, so small damping matters."""
+    x, y, xt, yt = digits(600, 40)
+    if image:
+        x, xt = x.reshape(-1, 1, 8, 8), xt.reshape(-1, 1, 8, 8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return Problem(name, model, "cross_entropy", x, y, xt, yt, 0.0)
+
+
+# Initialised in float32, then cast: the same model whatever torch's default dtype (the benchmarks set float64).
+def adam_mlp() -> Problem:
+    torch.manual_seed(0)
+    f32 = {"dtype": torch.float32}
+    return adam_digits("MLP 64-32-10 (tanh, Adam)", nn.Sequential(nn.Linear(64, 32, **f32), nn.Tanh(), nn.Linear(32, 10, **f32)).double(), image=False)
+
+
+def adam_cnn() -> Problem:
+    torch.manual_seed(0)
+    f32 = {"dtype": torch.float32}
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, **f32), nn.Tanh(), nn.Conv2d(4, 4, 3, **f32), nn.Tanh(), nn.Flatten(), nn.Linear(64, 10, **f32)).double()
+    return adam_digits("CNN 2×conv4 + linear (tanh, Adam)", model, image=True)
+
+
 def mean_curvature(problem: Problem, mode: str = "gauss_newton") -> float:
     """trace(C)/p, to choose λ relative to the curvature's scale."""
     from influence_core.blocks import BlockCurvature

@@ -1,9 +1,11 @@
 """K-FAC and EK-FAC (George et al., 2018; Grosse et al., 2023): Kronecker-factored Gauss-Newton curvature per layer.
 
-Per tracked layer: A = E[Σ_t a aᵀ] and S = E[Σ_t g gᵀ]/T from Fisher pseudo-gradients (labels sampled from the
-model, seeded; or the exact square root of the output Hessian), eigendecomposed in float64; K-FAC takes the
-eigenvalues λ_S ⊗ λ_A, EK-FAC replaces them with the exact second moments of the gradients in that eigenbasis.
-The factor sums are streamed batch by batch and add up, so they can be computed on chunks and summed.
+Per tracked layer: A = E[Σ_t a aᵀ] and S = E[Σ_t g gᵀ]/T from Fisher pseudo-gradients (the exact square root of
+the output Hessian, or targets sampled from the model, seeded), eigendecomposed in float64; K-FAC takes the
+eigenvalues λ_S ⊗ λ_A, EK-FAC replaces them with the second moments of the pseudo-gradients in that eigenbasis.
+Sampled targets of the correction pass are drawn independently of those that fitted the eigenbasis: with the same
+draws, the small eigenvalues are biased low (the basis is fitted to that very noise), which damping of the same
+size exposes. The factor sums are streamed batch by batch and add up, so they can be computed on chunks and summed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..blocks import BlockCurvature, Regularization
 from ..contraction import Batch
 from ..errors import ConfigError
 from ..layers import Capture, FisherKind, TrackedLayer, capture, outer_gradients, select_layers
-from ..losses import LOSSES, LossFn
+from ..losses import LossFn
 from ..noise import ExampleNoise
 from ..objective import Objective
 from ..projection import Projection
@@ -43,19 +45,21 @@ def eigen_gradients(a: torch.Tensor, g: torch.Tensor, q_a: torch.Tensor, q_s: to
     return outer_gradients(g @ q_s.to(g.dtype), a @ q_a.to(a.dtype))
 
 
-def _fisher_captures(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int) -> Iterator[tuple[torch.Tensor, Capture]]:
+COVARIANCE_STREAM, CORRECTION_STREAM = 0, 1  # independent sampled targets in the two passes
+
+
+def _fisher_captures(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, noise: ExampleNoise, offset: int, samples: int) -> Iterator[tuple[torch.Tensor, Capture]]:
     """Fisher pseudo-gradient captures batch by batch, the noise tied to example indices offset, offset+1, ..."""
-    noise = ExampleNoise(seed)
     for x, y in batches:
         x, y = objective.to_model(x, y)
-        yield x, capture(objective.model, layers, objective.loss_fn, x, y, fisher, noise, offset)
+        yield x, capture(objective.model, layers, objective.loss_fn, x, y, fisher, noise, offset, samples)
         offset += len(x)
 
 
-def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0) -> Sums:
+def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0, samples: int = 1) -> Sums:
     """Σ over examples of Σ_t a aᵀ and Σ_t g gᵀ per layer, plus counts; sums from disjoint chunks add up."""
     sums: Sums = {layer.name: {} for layer in layers}
-    for x, cap in _fisher_captures(objective, layers, batches, fisher, seed, offset):
+    for x, cap in _fisher_captures(objective, layers, batches, fisher, ExampleNoise(seed, COVARIANCE_STREAM), offset, samples):
         for layer in layers:
             a = cap.a[layer.name].to(torch.float64)
             _add(sums[layer.name], "a", torch.einsum("bti,btj->ij", a, a))
@@ -67,10 +71,10 @@ def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: I
     return sums
 
 
-def correction_sums(objective: Objective, layers: list[TrackedLayer], bases: dict[str, tuple[torch.Tensor, torch.Tensor]], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0) -> Sums:
+def correction_sums(objective: Objective, layers: list[TrackedLayer], bases: dict[str, tuple[torch.Tensor, torch.Tensor]], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0, samples: int = 1) -> Sums:
     """Σ over examples of (Q_Sᵀ G Q_A)², the gradient's second moment in the Kronecker eigenbasis (EK-FAC)."""
     sums: Sums = {layer.name: {} for layer in layers}
-    for x, cap in _fisher_captures(objective, layers, batches, fisher, seed, offset):
+    for x, cap in _fisher_captures(objective, layers, batches, fisher, ExampleNoise(seed, CORRECTION_STREAM), offset, samples):
         for layer in layers:
             q_a, q_s = bases[layer.name]
             a = cap.a[layer.name]
@@ -133,9 +137,11 @@ class KroneckerSolver(BlockSolver):
 class KfacInfluence(InfluenceFunctionModel):
     """Kronecker-factored Gauss-Newton influence over chosen Linear and Conv2d layers (all of them by default).
 
-    Parameters of other modules are excluded explicitly: `excluded_parameters` lists them. `fisher` is 'sampled'
-    (labels drawn from the model, seeded; the default for cross-entropy) or 'exact' (one backward pass per
-    output; the default otherwise, and exact for a single linear layer with squared loss).
+    Parameters of other modules are excluded explicitly: `excluded_parameters` lists them. `fisher` is 'exact'
+    (the expectation over the outputs, one backward pass per output; exact for a single linear layer with squared
+    loss), 'sampled' (`fisher_samples` targets per example drawn from the model, seeded; one backward pass each),
+    or 'auto' (the default, also None): exact up to EXACT_FISHER_MAX_OUTPUTS = 64 outputs, sampled above.
+    The correction pass draws its samples independently of the covariance pass.
     """
 
     name = "kfac"
@@ -150,7 +156,8 @@ class KfacInfluence(InfluenceFunctionModel):
         *,
         modules: Iterable[str] | None = None,
         projection: Projection | None = None,
-        fisher: FisherKind | None = None,
+        fisher: FisherKind | None = "auto",
+        fisher_samples: int = 1,
         seed: int = 0,
         batch_size: int = 128,
         query_rank: int | None = None,
@@ -161,8 +168,12 @@ class KfacInfluence(InfluenceFunctionModel):
             raise ConfigError("method.query_rank", "query_rank with a projection", "leave query_rank empty: projected factors are already small")
         super().__init__(model, loss, regularization, second_order_mode="gauss_newton", block_structure="layer_wise", param_names=names, batch_size=batch_size, query_rank=query_rank)
         self.projector = projection.build(self.layers) if projection is not None else None
-        self.fisher: FisherKind = fisher or ("sampled" if self.objective.loss_fn is LOSSES["cross_entropy"] else "exact")
-        self.seed = seed
+        if fisher not in (None, "auto", "sampled", "exact"):
+            raise ConfigError("method.fisher", f"unknown Fisher {fisher!r}", "use 'auto', 'exact' or 'sampled'")
+        if fisher_samples < 1:
+            raise ConfigError("method.fisher_samples", f"fisher_samples={fisher_samples}", "draw at least 1 target per example")
+        self.fisher: FisherKind = fisher or "auto"
+        self.fisher_samples, self.seed = fisher_samples, seed
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return KroneckerSolver(curvature, lam, next(layer for layer in self.layers if layer.block == curvature.name))
@@ -186,11 +197,11 @@ class KfacInfluence(InfluenceFunctionModel):
     # The three steps of fit_factors, for running the passes on chunks (e.g. as Dask tasks) and adding them up.
     def covariance_sums(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], offset: int = 0) -> Sums:
         """Pass 1 over examples offset, offset+1, ...: Σ a aᵀ, Σ g gᵀ and counts per layer."""
-        return covariance_sums(self.objective, self.layers, batches, self.fisher, self.seed, offset)
+        return covariance_sums(self.objective, self.layers, batches, self.fisher, self.seed, offset, self.fisher_samples)
 
     def correction_sums(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], bases: dict[str, tuple[torch.Tensor, torch.Tensor]], offset: int = 0) -> Sums:
         """Pass 2 (EK-FAC): Σ (Q_Sᵀ G Q_A)² per layer."""
-        return correction_sums(self.objective, self.layers, bases, batches, self.fisher, self.seed, offset)
+        return correction_sums(self.objective, self.layers, bases, batches, self.fisher, self.seed, offset, self.fisher_samples)
 
     def factor_state(self, sums: Sums, bases: dict[str, tuple[torch.Tensor, torch.Tensor]], corrected: Sums | None) -> dict[str, dict[str, torch.Tensor]]:
         """The per-block state from summed passes."""
