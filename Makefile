@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/influence-pipeline demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"
