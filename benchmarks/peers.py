@@ -217,6 +217,14 @@ def agreement(results: dict[str, Any]) -> None:
             continue
         refs = exact.get(run["workload"], {})
         run["vs_exact"] = {m: corr(scores[: len(e)], e) for m, e in refs.items()}
+    for key, run in results["runs"].items():  # low-rank query factors against the same side's full rank
+        options = run["config"]["options"]
+        if "query_rank" in options:
+            full = next((k for k, r in results["runs"].items() if r["workload"] == run["workload"] and r["config"]["side"] == run["config"]["side"]
+                         and r["config"]["method"] == run["config"]["method"] and "query_rank" not in r["config"]["options"]), None)
+            mine, theirs = load(run), load(results["runs"][full]) if full else None
+            if mine is not None and theirs is not None:
+                run["vs_full_rank"] = corr(mine, theirs)
     for row in results["rows"]:
         first = results["runs"][row["configs"][0]]
         base = load(first)

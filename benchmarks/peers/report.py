@@ -297,6 +297,10 @@ def write(results: dict[str, Any], out: Path, suffix: str, threshold: float, thr
                 + (f", smallest eigenvalue of C + λI {r['smallest_eigenvalue_with_lambda']:.3g}" if "smallest_eigenvalue_with_lambda" in r else "")
                 + (f", {r['seconds']:.0f} s" if "seconds" in r else f" ({execute.outcome(r)})")
                 for m, r in refs.items())]
+        low_rank = [(run["config"], run["vs_full_rank"]) for run in results["runs"].values() if run["workload"] == name and "vs_full_rank" in run]
+        if low_rank:
+            md += ["", "Low-rank query factors against the same side's full-rank scores: " + "; ".join(
+                f"{c['side']} rank {c['options']['query_rank']}: Pearson {v['pearson']:.4f}, Spearman {v['spearman']:.4f}" for c, v in low_rank)]
     best: dict[str, tuple[float, str]] = {}
     if any(r["workload"] == "W2" for r in results["rows"]):
         e2e, best = end_to_end(results, threshold)
