@@ -40,6 +40,15 @@ def read_outputs(store: RunStore) -> tuple[zarr.Group, dict[str, np.ndarray]]:
     return group, {name: np.asarray(group[name][...]) for name in group.array_keys()}
 
 
+def assert_same_outputs(store: RunStore, expected: dict[str, np.ndarray]) -> zarr.Group:
+    """The run's influence.zarr holds exactly the expected arrays, bit for bit; returns its group."""
+    group, arrays = read_outputs(store)
+    assert arrays.keys() == expected.keys()
+    for name, values in expected.items():
+        np.testing.assert_array_equal(arrays[name], values, err_msg=name)
+    return group
+
+
 def stored_model_and_data(store: RunStore, group: zarr.Group) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The trained model and the stored arrays, read back independently of the pipeline's own loaders."""
     refs = group.attrs["refs"]

@@ -6,14 +6,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import s3fs
 
 from flows.influence_run import influence_run
 from influence_core import storage
 from influence_core.specs import StorageSpec
-from tests.helpers import read_outputs, small_params
+from tests.helpers import assert_same_outputs, read_outputs, small_params
 from tests.proxy import FlakyProxy
 
 OUTAGE_SECONDS = 6.0
@@ -71,11 +70,7 @@ def test_s3_outage_mid_run_completes_with_the_same_scores(s3_endpoint, s3_bucket
     # the storage client rode out the outage: no stage had to be retried by Prefect
     counts = _stage_run_counts(state.state_details.flow_run_id)
     assert len(counts) == 7 and set(counts.values()) == {1}, counts
-    group, arrays = read_outputs(params.store())
-    assert group.attrs["status"] == "complete"
-    assert arrays.keys() == expected.keys()
-    for name, values in expected.items():
-        np.testing.assert_array_equal(arrays[name], values, err_msg=name)
+    assert assert_same_outputs(params.store(), expected).attrs["status"] == "complete"
 
 
 def test_storage_options_ride_out_a_long_outage(s3_bucket, s3_proxy):
@@ -132,11 +127,7 @@ def test_damaged_output_is_detected_and_recomputed(case, tmp_path):
     if stage == "compute_influences":
         assert summary["stages"][stage]["chunks_computed"] == 1  # the chunk whose shard was gone, despite its marker
         assert summary["stages"][stage]["gradient_rows"] == 64
-    group, arrays = read_outputs(params.store())
-    assert group.attrs["status"] == "complete"
-    assert arrays.keys() == expected.keys()
-    for name, values in expected.items():
-        np.testing.assert_array_equal(arrays[name], values, err_msg=name)  # identical, never NaN or stale
+    assert assert_same_outputs(params.store(), expected).attrs["status"] == "complete"  # identical, never NaN or stale
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -155,6 +146,4 @@ def test_damage_on_s3_is_detected_and_recomputed(s3_endpoint, s3_bucket):
     assert outcomes.pop("fit_model") == outcomes.pop("compute_influences") == "computed"
     assert set(outcomes.values()) <= {"cached", "found complete"}
     assert summary["stages"]["compute_influences"]["chunks_computed"] == 1
-    _, arrays = read_outputs(params.store())
-    for name, values in expected.items():
-        np.testing.assert_array_equal(arrays[name], values, err_msg=name)
+    assert_same_outputs(params.store(), expected)

@@ -21,7 +21,7 @@ from flows.cli import app
 from flows.influence_run import influence_run
 from influence_core import ConfigError, storage
 from influence_core.pipeline.runlock import exclusive_run
-from tests.helpers import read_outputs, small_params
+from tests.helpers import assert_same_outputs, read_outputs, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 REPO = Path(__file__).resolve().parents[2]
@@ -146,11 +146,7 @@ def test_two_runs_at_once_with_the_same_parameters_share_the_work(tmp_path):
     assert_one_consistent_run(params, summary)
     reference = small_params(str(tmp_path / "reference"))
     influence_run(reference)
-    _, expected = read_outputs(reference.store())
-    _, arrays = read_outputs(params.store())
-    assert arrays.keys() == expected.keys()
-    for name, values in expected.items():
-        np.testing.assert_array_equal(arrays[name], values, err_msg=name)
+    assert_same_outputs(params.store(), read_outputs(reference.store())[1])
     # one run computed every stage; the one that got the lock second found them all complete
     outcomes = sorted((printed_outcomes(log_a), printed_outcomes(log_b)), key=lambda o: o["prepare_data"] != "computed")
     assert outcomes[0] == dict.fromkeys(STAGES, "computed")
@@ -172,9 +168,5 @@ def test_two_runs_at_once_with_different_parameters_never_mix(tmp_path):
     assert summary["config"]["aggregate"]["top_k"] == winner.aggregate.top_k
     reference = winner.model_copy(update={"output_url": str(tmp_path / "reference")})
     influence_run(reference)
-    _, expected = read_outputs(reference.store())
-    _, arrays = read_outputs(winner.store())
-    assert arrays.keys() == expected.keys()
-    for name, values in expected.items():
-        np.testing.assert_array_equal(arrays[name], values, err_msg=name)
+    assert_same_outputs(winner.store(), read_outputs(reference.store())[1])
     assert loser.run_fingerprint() != winner.run_fingerprint()
