@@ -22,6 +22,7 @@ from .objective import Objective
 from .work import Work
 
 BUDGET_BYTES = 128 * 2**20  # largest intermediate a contraction forms at once
+CACHE_BYTES = 4 * 2**20  # an intermediate reduced right after its GEMM: kept in cache, ~20% faster than a large one
 RowOrder = Literal["parameters", "matrix"]  # how a layer's columns are laid out in a flat row
 
 
@@ -109,7 +110,9 @@ class Rows:
 
     @staticmethod
     def from_flat(flat: torch.Tensor, split: GradientSplit, order: RowOrder = "parameters") -> "Rows":
-        layers = {cut.layer.name: LayerRows(dense=cut.matrix(flat, order)) for cut in split.cuts}
+        """Each layer's rows as one contiguous (m, out, in) tensor: its GEMMs then read them as a matrix, where a
+        view into the flat rows would be copied again for every batch."""
+        layers = {cut.layer.name: LayerRows(dense=cut.matrix(flat, order).contiguous()) for cut in split.cuts}
         rest = None if split.rest_columns is None else flat[:, split.rest_columns.to(flat.device)]
         return Rows(layers, rest, len(flat))
 
@@ -176,16 +179,17 @@ def contract_layer(rows: LayerRows, a: torch.Tensor, g: torch.Tensor, work: Work
 
 
 def _input_first(dense: torch.Tensor, a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
-    """One position: X = F a as one GEMM of shape (m·out, in) × (in, n), then Σ_out X ⊙ g; rows in blocks."""
+    """One position: X = F a as one GEMM of shape (m·out, in) × (in, n), then Σ_out X ⊙ g; rows in blocks small
+    enough that X is reduced while still in cache."""
     m, height, width = dense.shape
     n = len(a)
     out = dense.new_empty(m, n)
-    step = max(1, BUDGET_BYTES // (height * n * dense.element_size()))
-    g_t = g.T
+    step = max(1, CACHE_BYTES // (height * n * dense.element_size()))
+    g_t, a_t = g.T.contiguous(), a.T
     for lo in range(0, m, step):
         block = dense[lo : lo + step]
-        x = (block.reshape(-1, width) @ a.T).view(len(block), height, n)
-        out[lo : lo + step] = (x * g_t).sum(1)
+        x = (block.reshape(-1, width) @ a_t).view(len(block), height, n)
+        out[lo : lo + step] = x.mul_(g_t).sum(1)
     work.score_flops += 2.0 * m * height * n * (width + 1)
     return out
 
@@ -308,13 +312,13 @@ def factor_rows(flat: torch.Tensor, split: GradientSplit, order: RowOrder, rank:
     for cut in split.cuts:
         height, width = cut.layer.out_dim, cut.layer.in_dim
         if rank < min(height, width):
-            left = flat[:, col : col + height * rank].reshape(m, height, rank)
+            left = flat[:, col : col + height * rank].reshape(m, height, rank).contiguous()
             col += height * rank
-            right = flat[:, col : col + rank * width].reshape(m, rank, width)
+            right = flat[:, col : col + rank * width].reshape(m, rank, width).contiguous()
             col += rank * width
             layers[cut.layer.name] = LayerRows(left=left, right=right)
         else:
-            layers[cut.layer.name] = LayerRows(dense=flat[:, col : col + height * width].reshape(m, height, width))
+            layers[cut.layer.name] = LayerRows(dense=flat[:, col : col + height * width].reshape(m, height, width).contiguous())
             col += height * width
-    rest = flat[:, col:] if split.rest_columns is not None else None
+    rest = flat[:, col:].contiguous() if split.rest_columns is not None else None
     return Rows(layers, rest, m)

@@ -23,6 +23,7 @@ class Scorer:
     def __init__(self, im: "InfluenceFunctionModel", factors: torch.Tensor | None, plan: SelfInfluencePlan) -> None:
         im._require_fitted()
         self.im, self.factors, self.plan = im, factors, plan
+        self.scoring = factors is not None
         self._rows: Rows | None = None
         self._sketch_rows: Rows | None = None
 
@@ -33,20 +34,23 @@ class Scorer:
             s, v = self.batch(batch)
             scores.append(s)
             values.append(v)
-        return (None if self.factors is None else torch.cat(scores, dim=1)), (None if self.plan is None else torch.cat(values))
+        return (torch.cat(scores, dim=1) if self.scoring else None), (None if self.plan is None else torch.cat(values))
 
     def batch(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Scores and self-influences of one captured batch."""
         features = None if self.im.contracts() else self.im.batch_features(batch)
         scores = None
-        if self.factors is not None:
+        if self.scoring:
             scores = contract(self.rows(), batch, self.im.work) if features is None else self._gemm(self.factors, features)
         return scores, (None if self.plan is None else self._self_influences(batch, features))
 
     def rows(self) -> Rows:
+        """The factors as per-layer rows, built at the first batch (the split needs one); the flat copy is then
+        dropped, so a worker holds the factors once."""
         if self._rows is None:
             assert self.factors is not None and self.im._split is not None
             self._rows = factor_rows(self.factors, self.im._split, self.im.row_order, self.im.query_rank)
+            self.factors = None
         return self._rows
 
     def _gemm(self, left: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
