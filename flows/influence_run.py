@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from prefect import flow, get_run_logger
 from prefect.tasks import Task
 
+from influence_core.cluster import shared_clusters
 from influence_core.pipeline import publish
 from influence_core.pipeline.aggregation import check_top_k
 from influence_core.pipeline.preflight import preflight
@@ -57,7 +58,7 @@ def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
     preflight(store, params.compute, params.model)  # seconds, before any stage computes or anything is written
     fingerprint = params.run_fingerprint()
     publish.check_owner(store, fingerprint, params.overwrite)  # refused at once, before waiting or computing
-    with exclusive_run(store, on_wait=get_run_logger().warning):
+    with exclusive_run(store, on_wait=get_run_logger().warning), shared_clusters():  # one cluster serves every stage
         return _stages(params, store, fingerprint)
 
 

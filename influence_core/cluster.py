@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,9 +18,63 @@ from .specs import ClusterKind, ComputeSpec
 PROBE_TIMEOUT = 3.0  # seconds: an unreachable scheduler is reported at once, not after the client's 20 s timeout
 
 
+class _Shared:
+    """Clusters kept open by `shared_clusters()` sessions, keyed by what starts them; closed by the last session."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sessions = 0
+        self.clusters: dict[tuple[str, int], tuple[LocalCluster, Client]] = {}
+
+    def client(self, kind: ClusterKind, spec: ComputeSpec) -> Client:
+        key = (kind.value, spec.n_workers)
+        with self.lock:
+            held = self.clusters.get(key)
+            if held is not None and held[1].status != "running":  # a cluster that died since: start another
+                self._close(self.clusters.pop(key))
+                held = None
+            if held is None:
+                cluster = _start_cluster(kind, spec)
+                held = self.clusters[key] = (cluster, Client(cluster))
+            return held[1]
+
+    def enter(self) -> None:
+        with self.lock:
+            self.sessions += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.sessions -= 1
+            if self.sessions == 0:
+                for held in self.clusters.values():
+                    self._close(held)
+                self.clusters.clear()
+
+    @staticmethod
+    def _close(held: tuple[LocalCluster, Client]) -> None:
+        cluster, client = held
+        client.close()
+        cluster.close()
+
+
+_SHARED = _Shared()
+
+
+@contextmanager
+def shared_clusters() -> Iterator[None]:
+    """Within it, the clusters `dask_client` starts stay up for later stages (of any thread of this process) and are
+    closed when the last such session ends: a run pays a cluster's start and its workers' imports once, not per stage."""
+    _SHARED.enter()
+    try:
+        yield
+    finally:
+        _SHARED.exit()
+
+
 @contextmanager
 def dask_client(spec: ComputeSpec, thread_safe: bool) -> Iterator[Client | None]:
-    """A client for the configured cluster (None for sequential); clusters started here are closed on exit."""
+    """A client for the configured cluster (None for sequential); a cluster started here is closed on exit, unless
+    a `shared_clusters()` session keeps it for the next stage."""
     kind = ClusterKind(spec.cluster)
     if kind is ClusterKind.sequential:
         yield None
@@ -29,6 +84,9 @@ def dask_client(spec: ComputeSpec, thread_safe: bool) -> Iterator[Client | None]
             yield client
     else:
         logging.getLogger("distributed").setLevel(logging.WARNING)  # the in-process scheduler's chatter
+        if _SHARED.sessions:
+            yield _SHARED.client(kind, spec)
+            return
         with _start_cluster(kind, spec) as cluster, Client(cluster) as client:
             yield client
 

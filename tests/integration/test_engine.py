@@ -19,7 +19,7 @@ import yaml
 from distributed import Client, LocalCluster
 
 from influence_core import ConfigError, storage
-from influence_core.cluster import dask_client
+from influence_core.cluster import dask_client, shared_clusters
 from influence_core.layout import score_layout
 from influence_core.pipeline import factors, preconditioner, prepare, scoring, training
 from influence_core.pipeline.loading import open_data
@@ -109,6 +109,22 @@ def test_multithreaded_workers_are_refused_unless_allowed():
         allowed = spec.model_copy(update={"allow_multithreaded_workers": True})
         with dask_client(allowed, thread_safe=False) as client:
             assert sum(client.nthreads().values()) == 2
+
+
+def test_a_run_session_starts_one_cluster_for_all_its_stages_and_closes_it():
+    spec = ComputeSpec(cluster="local", n_workers=1)
+    with shared_clusters():
+        with dask_client(spec, thread_safe=False) as first:
+            pid = first.run(os.getpid)
+        with dask_client(spec, thread_safe=False) as second:
+            assert second is first and second.run(os.getpid) == pid  # the same worker process, imports already done
+        with shared_clusters():  # a nested session (a concurrent stage) keeps it open
+            pass
+        assert first.status == "running"
+    assert first.status == "closed"
+    with dask_client(spec, thread_safe=False) as alone:  # outside a session: a cluster of its own, closed on exit
+        assert alone is not first
+    assert alone.status == "closed"
 
 
 def test_cuda_cluster_without_gpu_is_a_clear_error():
