@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from influence_core import DirectInfluence, EkfacInfluence, IdentityInfluence
-from influence_core.contraction import GradientSplit, LayerRows, contract_layer, low_rank_rows
+from influence_core.contraction import SMALL_LAYER_BYTES, GradientSplit, LayerRows, contract_layer, low_rank_rows
 from influence_core.work import Work
 
 torch.manual_seed(0)
@@ -139,6 +139,19 @@ def test_low_rank_path_is_chosen_when_cheaper_and_agrees():
     dense = contract_layer(LayerRows(dense=left @ right), a, g, work_dense)
     torch.testing.assert_close(low, dense, rtol=1e-10, atol=1e-12)
     assert work_low.score_flops < work_dense.score_flops
+
+
+@pytest.mark.parametrize("height, width", [(5, 4), (300, 200)], ids=["small layer: formed gradients", "large layer: input first"])
+def test_one_position_paths_equal_a_naive_loop(height, width):
+    """Both one-position paths, chosen by the batch's gradient size against SMALL_LAYER_BYTES (small: G formed and
+    met by one GEMM; large: X = F a reduced with g), equal Σ_{o,i} F[o, i] g[o] a[i] summed example by example."""
+    gen = torch.Generator().manual_seed(5)
+    n = 40
+    rows = torch.randn(3, height, width, generator=gen, dtype=torch.float64)
+    a, g = torch.randn(n, 1, width, generator=gen, dtype=torch.float64), torch.randn(n, 1, height, generator=gen, dtype=torch.float64)
+    assert (n * height * width * 8 > SMALL_LAYER_BYTES) == (height == 300)  # each case takes the path it is named for
+    expected = torch.tensor([[float(torch.outer(g[i, 0], a[i, 0]).mul(rows[j]).sum()) for i in range(n)] for j in range(3)], dtype=torch.float64)
+    torch.testing.assert_close(contract_layer(LayerRows(dense=rows), a, g, Work()), expected, rtol=1e-10, atol=1e-12)
 
 
 def test_shared_layer_keeps_vmap_gradients():
