@@ -156,7 +156,9 @@ class Harness:
         self.results["rows"].append({"workload": row.workload, "title": row.title, "kind": kind, "configs": keys})
 
     def pipeline(self, item: planning.Pipeline, run_anyway: bool) -> None:
-        """The whole flow, `--reps` times, each in a fresh output directory and PREFECT_HOME (nothing cached)."""
+        """The whole flow, `--reps` times, each in a fresh output directory and PREFECT_HOME (nothing cached), each
+        right after a run of its library row's configuration (library, pipeline, library, pipeline), kept with the
+        pipeline's (`library_reps`): the two are compared under the same load, and the peer rows keep their own reps."""
         from pipeline_runner import self_influence_switch
 
         entry: dict[str, Any] = {"workload": item.workload, "title": item.title, "library": f"{item.workload}/{item.config.key}", "reps": [], "method": item.method}
@@ -167,7 +169,9 @@ class Harness:
                                 "not the work of the library row; rerun with --pipeline-with-self-influence to measure it anyway")
             print(f"[peers] {item.workload} pipeline skipped: {entry['skipped']}", flush=True)
             return
+        entry["library_reps"] = []
         for rep in range(self.args.reps):
+            entry["library_reps"].append(self.run_config(item.workload, item.config, rep))
             run_dir = Path(tempfile.mkdtemp(prefix=f"pipeline-{item.workload}-", dir=self.scratch))
             scores = self.dirs[item.workload] / "scores" / f"pipeline-{item.config.key}.npy"
             cmd = self.command([self.pythons["ours"], str(PEERS / "pipeline_runner.py"), "--workload", str(self.dirs[item.workload]),

@@ -139,7 +139,7 @@ def pipeline_section(results: dict[str, Any]) -> tuple[list[str], dict[str, dict
         if not good:
             lines.append(f"Not measured: {execute.outcome(entry['reps'][-1])}.")
             continue
-        lib = summarise(results["runs"][entry["library"]])
+        lib = summarise({"reps": entry["library_reps"]} if entry.get("library_reps") else results["runs"][entry["library"]])  # alternated with the pipeline when recorded
         stages = {name: min(r["stages"][name] for r in good) for name in good[0]["stages"]}
         flow = min(r["flow_wall"] for r in good)
         lines += ["| pipeline stage | pipeline s | library stage | library s | pipeline / library |", "|---|---|---|---|---|"]
