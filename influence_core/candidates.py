@@ -92,13 +92,14 @@ def _build(features: np.ndarray, kind: IndexKind) -> faiss.Index:
     return index
 
 
-def nearest(index: faiss.Index, queries: np.ndarray, k: int) -> np.ndarray:
+def nearest(index: faiss.Index, queries: np.ndarray, k: int, nprobe: int | None = None) -> np.ndarray:
     """Indices (n_queries, k) int64 of each query's k nearest training examples, nearest first; always k valid,
-    distinct indices (an approximate index that returns fewer is searched again exhaustively for that query)."""
+    distinct indices (an approximate index that returns fewer is searched again exhaustively for that query).
+    IVF probes `nprobe` lists (default: enough to hold about 2k examples, at least 8)."""
     if not 1 <= k <= index.ntotal:
         raise ConfigError("candidates.knn_k", f"knn_k={k} with {index.ntotal} training examples", f"set candidates.knn_k between 1 and {index.ntotal}, or null for all")
     if isinstance(index, faiss.IndexIVF):
-        index.nprobe = min(index.nlist, max(8, math.ceil(2 * k * index.nlist / index.ntotal)))
+        index.nprobe = min(index.nlist, nprobe or max(8, math.ceil(2 * k * index.nlist / index.ntotal)))
     elif isinstance(index, faiss.IndexHNSW):
         index.hnsw.efSearch = max(128, 2 * k)
     _, found = index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
