@@ -71,7 +71,7 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     threads = params.compute.torch_threads
     model = run(fit_model, spec=params.model, training=params.training, data=data, store=store, threads=threads)
     curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
-    factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store, threads=threads)
+    factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store, threads=threads, compute=params.compute)
     publish.begin_run(store, fingerprint, params.overwrite)  # only now is influence.zarr touched: bad input found earlier leaves it as it was
     scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, curvature=curvature, factors=factors, store=store, candidates=params.candidates)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)

@@ -35,9 +35,10 @@ def fit_preconditioner(method: MethodSpec, model: ModelRef, data: DataRef, store
 
 
 @task(name="compute_test_factors", cache_policy=stage_policy(factor_stage.plan), **STAGE_OPTIONS)
-def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int) -> StageRef:
-    """(C + λI)⁻¹ ∇ℓ for every query, once per run."""
-    return factor_stage.run(method, model, data, curvature, store, threads)
+def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int, compute: ComputeSpec | None = None) -> StageRef:
+    """(C + λI)⁻¹ ∇ℓ for every query, once per run; LiSSA's repeats run on the cluster (FastIF's parallel s_test)."""
+    factory = None if compute is None else (lambda: dask_client(compute, METHOD_CLASSES[method.name].thread_safe))
+    return factor_stage.run(method, model, data, curvature, store, threads, client_factory=factory)
 
 
 @task(name="compute_influences", cache_policy=stage_policy(scoring.plan), **STAGE_OPTIONS)

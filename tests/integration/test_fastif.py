@@ -82,3 +82,24 @@ def test_small_k_scores_only_the_candidates_and_resumes_a_lost_chunk(tmp_path):
     for name in ("candidate_indices", "candidate_scores", *TOPK, "train_totals"):
         np.testing.assert_array_equal(resumed[name], arrays[name], err_msg=name)
     assert failed(store) == []
+
+
+FAST_LISSA = {"name": "lissa", "regularization": 0.1, "depth": 20, "repeats": 4, "lissa_batch_size": 1, "scale": 50.0, "rtol": 1e-12}
+
+
+def test_parallel_lissa_repeats_give_the_same_factors_on_any_cluster(tmp_path, dask_address):
+    """FastIF's parallel s_test: T = 4 repeats of B = 1 as Dask tasks, summed by the driver: the same bits on a
+    LocalCluster as sequentially, and the library's factors."""
+    factors, cache = {}, tmp_path / "cache"
+    for cluster in ("sequential", "address"):
+        compute = {"cluster": cluster, "train_chunk_rows": 64, **({"address": dask_address} if cluster == "address" else {})}
+        params = small_params(str(tmp_path / cluster), method=FAST_LISSA, compute=compute, aggregate={"top_k": 4, "self_influence": "off"}, storage={"cache_url": str(cache)})
+        storage.remove(str(cache / "compute_test_factors"), {})  # the data, model and curvature are shared; the factors are computed again
+        stage = influence_run(params)["stages"]["compute_test_factors"]
+        assert stage["outcome"] == "computed" and stage["work"]["solves"] == 12 and stage["work"]["solver_iterations"] == 4 * 20
+        factors[cluster] = np.asarray(storage.open_array(stage["url"], {})[...])
+    np.testing.assert_array_equal(factors["address"], factors["sequential"])
+    group, _ = read_outputs(params.store())
+    model, data = stored_model_and_data(params.store(), group)
+    im = params.method.build(model, "cross_entropy").fit((data["x_train"], data["y_train"]))
+    np.testing.assert_allclose(factors["sequential"], im.influence_factors(data["x_test"], data["y_test"]).numpy(), rtol=1e-4, atol=1e-6)
