@@ -132,15 +132,14 @@ def _features(job: CandidateJob, client: Client | None) -> tuple[np.ndarray, np.
     return np.concatenate(parts[:-1]), parts[-1]
 
 
-def _candidates(job: CandidateJob, client_factory: Callable[[], Any], threads: int) -> tuple[np.ndarray, dict[str, Any]]:
+def _candidates(job: CandidateJob, client: Client | None, threads: int) -> tuple[np.ndarray, dict[str, Any]]:
     """Each query's k nearest training examples: read back when an interrupted run stored them, else found here."""
     url = job.path("candidates.npy")
     info: dict[str, Any] = {"knn_k": job.spec.knn_k, "index": index_kind(job.data.n_train, job.spec.index), "module": job.spec.module or "penultimate"}
     if storage.exists(url, job.options):
         return _load_npy(url, job.options), info
     started = time.perf_counter()
-    with client_factory() as client:
-        train, test = _features(job, client)
+    train, test = _features(job, client)
     built = time.perf_counter()
     assert job.spec.knn_k is not None
     candidates = nearest(build_index(train, job.spec.index, threads), test, job.spec.knn_k)
@@ -190,13 +189,11 @@ def _compute(job: CandidateJob, client_factory: Callable[[], Any], threads: int,
     for stale in ("scores", "self_influence", "candidate_scores", "candidate_indices"):
         if stale in group:
             del group[stale]  # of another configuration, or about to be rewritten: never beside these candidates
-    candidates, info = _candidates(job, client_factory, threads)
-    needed = sorted(set((candidates // job.layout.train_rows).ravel().tolist()))
-    chunks = pending_chunks(job, needed)
-    work = Work()
-    if chunks:
-        with client_factory() as client:
-            work += execute(job, chunks, client, len(needed), on_progress)
+    with client_factory() as client:  # one cluster for both passes
+        candidates, info = _candidates(job, client, threads)
+        needed = sorted(set((candidates // job.layout.train_rows).ravel().tolist()))
+        chunks = pending_chunks(job, needed)
+        work = execute(job, chunks, client, len(needed), on_progress)
     scores = _assemble(job, candidates, needed)
     shape = candidates.shape
     for name, values in (("candidate_indices", candidates), ("candidate_scores", scores)):

@@ -11,7 +11,12 @@ import torch
 from flows.influence_run import influence_run
 from influence_core import storage
 from influence_core.candidates import knn_candidates
+from influence_core.cluster import dask_client
+from influence_core.pipeline import factors as factor_stage
+from influence_core.pipeline.store import RunStore
 from influence_core.pipeline.verify import verify_run
+from influence_core.refs import DataRef, ModelRef, StageRef
+from influence_core.specs import ComputeSpec
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -30,9 +35,9 @@ def full_run(tmp_path_factory) -> dict[str, np.ndarray]:
     return read_outputs(params.store())[1]
 
 
-@pytest.mark.parametrize("cluster", ["sequential", "address"])
-def test_k_equal_to_n_train_gives_exactly_the_full_topk(tmp_path, full_run, cluster, dask_address):
-    compute = {"cluster": cluster, "train_chunk_rows": 64, **({"address": dask_address} if cluster == "address" else {})}
+def test_k_equal_to_n_train_gives_exactly_the_full_topk(tmp_path, full_run, dask_address):
+    """On a LocalCluster, against the full run computed sequentially (the small-k test below runs sequentially)."""
+    compute = {"cluster": "address", "address": dask_address, "train_chunk_rows": 64}
     params = small_params(str(tmp_path / "run"), compute=compute, candidates={"knn_k": 240})
     summary = influence_run(params)
     store = params.store()
@@ -89,17 +94,19 @@ FAST_LISSA = {"name": "lissa", "regularization": 0.1, "depth": 20, "repeats": 4,
 
 def test_parallel_lissa_repeats_give_the_same_factors_on_any_cluster(tmp_path, dask_address):
     """FastIF's parallel s_test: T = 4 repeats of B = 1 as Dask tasks, summed by the driver: the same bits on a
-    LocalCluster as sequentially, and the library's factors."""
-    factors, cache = {}, tmp_path / "cache"
-    for cluster in ("sequential", "address"):
-        compute = {"cluster": cluster, "train_chunk_rows": 64, **({"address": dask_address} if cluster == "address" else {})}
-        params = small_params(str(tmp_path / cluster), method=FAST_LISSA, compute=compute, aggregate={"top_k": 4, "self_influence": "off"}, storage={"cache_url": str(cache)})
-        storage.remove(str(cache / "compute_test_factors"), {})  # the data, model and curvature are shared; the factors are computed again
-        stage = influence_run(params)["stages"]["compute_test_factors"]
-        assert stage["outcome"] == "computed" and stage["work"]["solves"] == 12 and stage["work"]["solver_iterations"] == 4 * 20
-        factors[cluster] = np.asarray(storage.open_array(stage["url"], {})[...])
-    np.testing.assert_array_equal(factors["address"], factors["sequential"])
+    LocalCluster as sequentially (the flow's run), and the library's factors."""
+    params = small_params(str(tmp_path / "run"), method=FAST_LISSA, aggregate={"top_k": 4, "self_influence": "off"})
+    summary = influence_run(params)
+    stage = summary["stages"]["compute_test_factors"]
+    assert stage["outcome"] == "computed" and stage["work"]["solves"] == 12 and stage["work"]["solver_iterations"] == 4 * 20
+    sequential = np.asarray(storage.open_array(stage["url"], {})[...])
     group, _ = read_outputs(params.store())
+    refs = {name: group.attrs["refs"][name] for name in ("fit_model", "prepare_data", "fit_preconditioner")}
+    model_ref, data_ref, curvature = ModelRef.model_validate(refs["fit_model"]), DataRef.model_validate(refs["prepare_data"]), StageRef.model_validate(refs["fit_preconditioner"])
+    elsewhere = RunStore(output_url=str(tmp_path / "other"))  # a fresh stage cache: computed again, on the cluster
+    on_cluster = ComputeSpec(cluster="address", address=dask_address)
+    ref = factor_stage.run(params.method, model_ref, data_ref, curvature, elsewhere, params.compute.torch_threads, client_factory=lambda: dask_client(on_cluster, False))
+    np.testing.assert_array_equal(np.asarray(storage.open_array(ref.url, {})[...]), sequential)
     model, data = stored_model_and_data(params.store(), group)
     im = params.method.build(model, "cross_entropy").fit((data["x_train"], data["y_train"]))
-    np.testing.assert_allclose(factors["sequential"], im.influence_factors(data["x_test"], data["y_test"]).numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(sequential, im.influence_factors(data["x_test"], data["y_test"]).numpy(), rtol=1e-4, atol=1e-6)
