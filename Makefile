@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast quality bench bench-quick bench-scaling bench-big bench-soak serve clean
+.PHONY: install demo test test-fast quality bench bench-quick bench-scaling bench-big bench-soak bench-fastif serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,9 @@ bench-big: $(STAMP)
 
 bench-soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py
+
+bench-fastif: $(STAMP)
+	$(BIN)/python benchmarks/fastif.py
 
 clean:
 	rm -rf runs .pytest_cache

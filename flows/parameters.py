@@ -6,11 +6,12 @@ import hashlib
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from influence_core import storage
 from influence_core.pipeline.store import RunStore
-from influence_core.specs import AggregateSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
+from influence_core.errors import ConfigError
+from influence_core.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
 
 
 PLACEMENT = {"compute": ("cluster", "address", "n_workers", "allow_multithreaded_workers"), "storage": ("endpoint_url", "region", "cache_url")}
@@ -28,6 +29,7 @@ class RunParameters(BaseModel):
     method: MethodSpec = Field(default_factory=DirectMethod, title="Curvature method", description="How (H + λI)⁻¹ is approximated: exact, iterative, low-rank, Kronecker-factored, or none.")
     compute: ComputeSpec = Field(default_factory=ComputeSpec, title="Compute", description="Which Dask cluster scores the training chunks, and how large a chunk is.")
     aggregate: AggregateSpec = Field(default_factory=AggregateSpec, title="Aggregation", description="Top-k helpful and harmful examples per query, and the report.")
+    candidates: CandidatesSpec = Field(default_factory=CandidatesSpec, title="Candidates (FastIF)", description="Score each query against only its k nearest training examples in a layer's feature space (a FAISS index): much less gradient work when k·n_test is small against n_train.")
     storage: StorageSpec = Field(default_factory=StorageSpec, title="Storage", description="S3 endpoint and region, and a stage cache shared between runs; never credentials.")
     overwrite: bool = Field(
         False, title="Overwrite another run",
@@ -40,6 +42,22 @@ class RunParameters(BaseModel):
     def _supported_url(cls, value: str) -> str:
         storage.validate_url(value, "output_url")
         return value
+
+    @model_validator(mode="after")
+    def _candidates_fit(self) -> "RunParameters":
+        """The prefilter's settings against the model and the aggregates, before anything runs."""
+        knn_k = self.candidates.knn_k
+        if knn_k is None:
+            return self
+        self.candidates.check_model(self.model)
+        if self.aggregate.top_k > knn_k:
+            raise ConfigError("candidates.knn_k", f"knn_k={knn_k} is below aggregate.top_k={self.aggregate.top_k}", f"set candidates.knn_k to at least {self.aggregate.top_k}, or lower aggregate.top_k")
+        if self.aggregate.self_influence in ("exact", "lowrank"):
+            raise ConfigError(
+                "aggregate.self_influence", f"self_influence={self.aggregate.self_influence} needs every training example's gradient, which the candidate prefilter avoids",
+                "set aggregate.self_influence to auto or off (no self_influence with candidates), or candidates.knn_k to null",
+            )
+        return self
 
     def store(self) -> RunStore:
         return RunStore(output_url=self.output_url, storage=self.storage)

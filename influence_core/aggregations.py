@@ -32,3 +32,19 @@ def aggregate_scores(scores: da.Array, k: int, totals_out: Any) -> Aggregates:
         store_totals,
     )
     return Aggregates(h_idx.astype(np.int64), h_val.astype(np.float32), b_idx.astype(np.int64), b_val.astype(np.float32), int(missing))
+
+
+def aggregate_candidates(indices: np.ndarray, scores: np.ndarray, k: int, n_train: int) -> tuple[Aggregates, np.ndarray]:
+    """The same reductions over candidate scores (n_test, k_candidates) at training indices `indices`: top-k of each
+    query's candidates, and train totals summed over the candidate entries only (0 where no query has the example)."""
+    helpful = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    harmful = np.argsort(scores, axis=1, kind="stable")[:, :k]
+    totals = np.zeros(n_train, dtype=np.float64)
+    np.add.at(totals, indices.ravel(), scores.ravel().astype(np.float64))
+    pick = np.take_along_axis
+    result = Aggregates(
+        pick(indices, helpful, 1).astype(np.int64), pick(scores, helpful, 1).astype(np.float32),
+        pick(indices, harmful, 1).astype(np.int64), pick(scores, harmful, 1).astype(np.float32),
+        int(np.isnan(scores).sum()),
+    )
+    return result, totals.astype(np.float32)

@@ -60,9 +60,11 @@ class ModelRef(StageRef):
 
 class ScoresRef(StageRef):
     """The scores array, and the work the run that finished it did: chunks computed and per-sample gradients
-    evaluated (a resumed run counts only what it added), and how self-influence was computed."""
+    evaluated (a resumed run counts only what it added), how self-influence was computed, and the candidate prefilter's
+    figures when it ran (`url` is then candidate_scores)."""
 
     n_chunks: int
     chunks_computed: int
     gradient_rows: int
     self_influence: dict[str, Any]
+    candidates: dict[str, Any] = {}  # FastIF's prefilter: k, index, scored rows, feature and index seconds (empty: full scores)

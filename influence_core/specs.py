@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
+from .candidates import resolve_module
 from .errors import ConfigError
 from .losses import LossName
 from .projection import Projection
@@ -316,6 +317,30 @@ class AggregateSpec(Spec):
     )
     self_influence_rank: int = Field(32, ge=1, title="Self-influence rank", description="Rank of the lowrank estimate (auto uses at most half the number of queries, at least 4).")
     report_queries: int = Field(6, ge=1, le=50, title="Queries in report", description="Queries shown in report.png and in the top-k table.")
+
+
+class CandidatesSpec(Spec):
+    model_config = ConfigDict(title="Candidates (FastIF)")
+
+    knn_k: int | None = Field(
+        None, title="Candidates per query (k)",
+        description="FastIF's prefilter: each query scores only its k nearest training examples in the feature space of `module` "
+        "(candidate_indices and candidate_scores, shape (n_test, k), replace scores). Empty: every training example (the full computation).",
+    )
+    module: str | None = Field(None, title="Feature module", description="The module whose output is the feature (a name from model.named_modules(), e.g. '2'); empty: the penultimate layer (the input of the last layer).")
+    index: Literal["auto", "flat", "ivf", "hnsw"] = Field("auto", title="kNN index", description="FAISS index of the training features: flat (exact), ivf or hnsw (approximate, for large sets); auto: flat up to 100,000 training examples, ivf above.")
+
+    @field_validator("knn_k")
+    @classmethod
+    def _positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ConfigError("candidates.knn_k", f"knn_k={value} leaves a query without candidates", "set candidates.knn_k to 1 or more, or null to score every training example")
+        return value
+
+    def check_model(self, model: "ModelSpec") -> None:
+        """An unknown `module` fails here, before anything runs (module names depend only on the architecture)."""
+        if self.knn_k is not None:
+            resolve_module(model.build(1, 1), self.module)
 
 
 # -- storage -----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from influence_core.pipeline import factors as factor_stage
 from influence_core.pipeline import training as training_stage
 from influence_core.pipeline.store import RunStore
 from influence_core.refs import DataRef, ModelRef, ScoresRef, StageRef
-from influence_core.specs import METHOD_CLASSES, AggregateSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec
+from influence_core.specs import METHOD_CLASSES, AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec
 
 from .policy import STAGE_OPTIONS, stage_policy
 from .progress import ChunkProgress
@@ -35,21 +35,23 @@ def fit_preconditioner(method: MethodSpec, model: ModelRef, data: DataRef, store
 
 
 @task(name="compute_test_factors", cache_policy=stage_policy(factor_stage.plan), **STAGE_OPTIONS)
-def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int) -> StageRef:
-    """(C + λI)⁻¹ ∇ℓ for every query, once per run."""
-    return factor_stage.run(method, model, data, curvature, store, threads)
+def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int, compute: ComputeSpec | None = None) -> StageRef:
+    """(C + λI)⁻¹ ∇ℓ for every query, once per run; LiSSA's repeats run on the cluster (FastIF's parallel s_test)."""
+    factory = None if compute is None else (lambda: dask_client(compute, METHOD_CLASSES[method.name].thread_safe))
+    return factor_stage.run(method, model, data, curvature, store, threads, client_factory=factory)
 
 
 @task(name="compute_influences", cache_policy=stage_policy(scoring.plan), **STAGE_OPTIONS)
 def compute_influences(
-    compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore
+    compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore,
+    candidates: CandidatesSpec | None = None,
 ) -> ScoresRef:
-    """Scores (and self-influences) for every (query, training example), one train chunk per Dask task; resumes where it stopped."""
+    """Scores (and self-influences) for every (query, training example), or FastIF's candidate scores, one train chunk per Dask task; resumes where it stopped."""
     thread_safe = METHOD_CLASSES[method.name].thread_safe
     return scoring.run(
         compute, method, aggregate, model, data, curvature, factors, store,
         client_factory=lambda: dask_client(compute, thread_safe),
-        on_progress=ChunkProgress("compute_influences"),
+        on_progress=ChunkProgress("compute_influences"), candidates=candidates,
     )
 
 

@@ -276,7 +276,10 @@ class InfluenceFunctionModel(ABC):
     def influence_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """(C + λI)⁻¹ ∇ℓ for each query example: shape (n_test, p'), in the method's feature coordinates (rank-r
         factors per layer with `query_rank`)."""
-        factors = self._dense_factors(x, y)
+        return self.finish_factors(self._dense_factors(x, y), x, y)
+
+    def finish_factors(self, factors: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Dense query factors of (x, y) as stored: unchanged, or rank-r per layer with `query_rank`."""
         if self.query_rank is None:
             return factors
         return compress_rows(factors, self.gradient_split(x, y), self.row_order, self.query_rank)

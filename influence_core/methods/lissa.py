@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..batches import BatchSampler
@@ -40,14 +41,25 @@ class LissaSolver(BlockSolver):
         self.iterations.append(self.depth)
         return h
 
+    def repeat(self, features: torch.Tensor, index: int) -> torch.Tensor:
+        """Repeat `index`'s term of the average, h / (T·s), from batches of its own seed: repeats are independent
+        of each other and of where they run, so FastIF's parallel recipe (repeats spread over workers, summed in
+        order) gives the same bits as this process."""
+        h = self._one_run(features, BatchSampler(self.curvature.data, self.batch_size, repeat_seed(self.seed, index)))
+        self.curvature.work.solves += len(features) if index == 0 else 0  # one solve per right-hand side, however many repeats
+        self.curvature.work.solver_iterations += self.iterations[-1]
+        return h / (self.repeats * self.scale)
+
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
-        sampler = BatchSampler(self.curvature.data, self.batch_size, self.seed)
-        total = torch.zeros_like(features)
-        for _ in range(self.repeats):
-            total += self._one_run(features, sampler)
-        self.curvature.work.solves += len(features)
-        self.curvature.work.solver_iterations += sum(self.iterations[-self.repeats :])
-        return total / (self.repeats * self.scale)
+        total = self.repeat(features, 0)
+        for index in range(1, self.repeats):
+            total = total + self.repeat(features, index)
+        return total
+
+
+def repeat_seed(seed: int, index: int) -> int:
+    """The batch seed of repeat `index`: `seed` itself for the first, independent streams for the others."""
+    return seed if index == 0 else int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
 class LissaInfluence(InfluenceFunctionModel):
@@ -77,3 +89,13 @@ class LissaInfluence(InfluenceFunctionModel):
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return LissaSolver(curvature, lam, *self.options)
+
+    @property
+    def repeats(self) -> int:
+        return self.options[1]
+
+    def repeat_factors(self, x: torch.Tensor, y: torch.Tensor, index: int) -> torch.Tensor:
+        """Repeat `index`'s term of the dense query factors (n_test, p'); the terms of repeats 0..T-1, summed in
+        order, are the dense factors: one Dask task per repeat in the pipeline (FastIF's parallel s_test)."""
+        features = self.gradient_features(x, y)
+        return self._per_block(features, self._feature_slices(), lambda solver, f: solver.repeat(f, index))

@@ -9,7 +9,7 @@ import dask.array as da
 import numpy as np
 
 from .. import storage
-from ..aggregations import aggregate_scores
+from ..aggregations import Aggregates, aggregate_candidates, aggregate_scores
 from ..errors import ConfigError, NumericalError
 from ..refs import StageRef
 from ..specs import AggregateSpec
@@ -28,14 +28,12 @@ def check_top_k(spec: AggregateSpec, n_train: int) -> None:
 
 
 def _aggregate(spec: AggregateSpec, scores_ref: StageRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
-    scores = storage.open_array(scores_ref.url, store.options)
-    check_top_k(spec, scores.shape[1])
-    columns = (scores.shards or scores.chunks)[1]
     group = storage.open_group(store.influence_url, store.options, mode="a")
     group.attrs["status"] = "running"  # the top-k arrays are about to be replaced
-    totals = group.create_array("train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True)
-    with dask.config.set(scheduler="threads"):
-        result = aggregate_scores(da.from_zarr(scores, chunks=(scores.shape[0], columns)), spec.top_k, totals)
+    if scores_ref.url.endswith("candidate_scores"):
+        result, totals = _from_candidates(spec, group, int(group["candidate_indices"].attrs["n_train"]))
+    else:
+        result, totals = _from_scores(spec, group, storage.open_array(scores_ref.url, store.options))
     if result.missing:
         raise NumericalError(f"{result.missing} scores are NaN: the scores are incomplete or the model diverged; rerun compute_influences")
     outputs = {
@@ -51,6 +49,25 @@ def _aggregate(spec: AggregateSpec, scores_ref: StageRef, store: RunStore, loc: 
         array.attrs["fingerprint"] = loc.key
     totals.attrs["fingerprint"] = loc.key  # last: its fingerprint marks the stage complete
     return {"url": storage.join(store.influence_url, "train_totals"), "fingerprint": loc.key, "shape": result.helpful_indices.shape, "dtype": "int64"}
+
+
+def _from_scores(spec: AggregateSpec, group: Any, scores: Any) -> tuple[Aggregates, Any]:
+    """Streamed over the full scores; the totals go straight into their array."""
+    check_top_k(spec, scores.shape[1])
+    columns = (scores.shards or scores.chunks)[1]
+    totals = group.create_array("train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True)
+    with dask.config.set(scheduler="threads"):
+        return aggregate_scores(da.from_zarr(scores, chunks=(scores.shape[0], columns)), spec.top_k, totals), totals
+
+
+def _from_candidates(spec: AggregateSpec, group: Any, n_train: int) -> tuple[Aggregates, Any]:
+    """From each query's candidates (FastIF): top-k among them, totals over the candidate entries."""
+    indices, scores = np.asarray(group["candidate_indices"][...]), np.asarray(group["candidate_scores"][...])
+    check_top_k(spec, scores.shape[1])
+    result, values = aggregate_candidates(indices, scores, spec.top_k, n_train)
+    totals = group.create_array("train_totals", shape=values.shape, dtype="float32", overwrite=True)
+    totals[...] = values
+    return result, totals
 
 
 def run(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageRef:

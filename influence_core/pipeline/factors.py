@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 
 from .. import storage
+from ..methods import LissaInfluence
 from ..refs import DataRef, ModelRef, StageRef
-from ..specs import MethodSpec
+from ..specs import ComputeSpec, MethodSpec
+from ..threads import TASK_THREADS, torch_threads
+from ..work import Work
 from .loading import load_influence_model, open_data
 from .stage import StageCall, StageLocation
 from .store import RunStore
@@ -17,22 +22,55 @@ from .store import RunStore
 SOLVE_BLOCK_BYTES = 256 * 2**20  # queries solved together: more rows share each pass over the training data
 
 
-def plan(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int) -> StageCall[StageRef]:
+def plan(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int, compute: ComputeSpec | None = None) -> StageCall[StageRef]:
+    """The stage's key; `compute` (where LiSSA's repeats run) is left out of it: every cluster kind gives the same bits."""
     inputs = {"model": model, "data": data, "curvature": curvature}
     return StageCall("compute_test_factors", StageRef, {"method": method.model_dump(mode="json")}, inputs, store, threads)
 
 
-def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
+def lissa_repeat(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, options: dict[str, Any], index: int) -> tuple[np.ndarray, dict[str, float]]:
+    """One LiSSA repeat's term of the dense query factors, for every query, and the work it did: one Dask task."""
+    with torch_threads(TASK_THREADS):  # the same arithmetic on any cluster kind, sequential included
+        im = load_influence_model(method, model, data, curvature, options)
+        assert isinstance(im, LissaInfluence)
+        arrays = open_data(data, options)
+        x, y = torch.from_numpy(np.asarray(arrays["x_test"][...])), torch.from_numpy(np.asarray(arrays["y_test"][...]))
+        return im.repeat_factors(x, y, index).cpu().numpy(), im.work.as_dict()
+
+
+def _lissa_dense(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, options: dict[str, Any], client_factory: Callable[[], Any] | None) -> tuple[np.ndarray, Work]:
+    """FastIF's parallel s_test: the T repeats as tasks with their own seeds, summed here in repeat order."""
+    repeats = range(getattr(method, "repeats"))
+    work = Work()
+    with client_factory() if client_factory is not None else nullcontext() as client:
+        if client is None:
+            results = [lissa_repeat(method, model, data, curvature, options, index) for index in repeats]
+        else:
+            results = client.gather(client.map(lissa_repeat, *([arg] * len(repeats) for arg in (method, model, data, curvature, options)), list(repeats), pure=False, retries=2))
+    total = results[0][0]
+    for term, _ in results[1:]:
+        total = total + term
+    for _, counted in results:
+        work += Work(**counted)
+    return total, work
+
+
+def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, loc: StageLocation, client_factory: Callable[[], Any] | None) -> dict[str, Any]:
     im = load_influence_model(method, model, data, curvature, store.options)
     arrays = open_data(data, store.options)
     x_test, y_test = arrays["x_test"], arrays["y_test"]
     n_test = y_test.shape[0]
+    work = Work()
+    dense = None
+    if method.name == "lissa":
+        dense, work = _lissa_dense(method, model, data, curvature, store.options, client_factory)
     block = max(1, min(n_test, SOLVE_BLOCK_BYTES // (8 * im.objective.space.dim)))
     url = loc.path("factors.zarr")
     out = None
     for lo in range(0, n_test, block):
         hi = min(lo + block, n_test)
-        f = im.influence_factors(torch.from_numpy(np.asarray(x_test[lo:hi])), torch.from_numpy(np.asarray(y_test[lo:hi])))
+        x, y = torch.from_numpy(np.asarray(x_test[lo:hi])), torch.from_numpy(np.asarray(y_test[lo:hi]))
+        f = im.influence_factors(x, y) if dense is None else im.finish_factors(torch.from_numpy(dense[lo:hi]), x, y)
         if out is None:
             group = storage.open_group(url, store.options, mode="w")
             # uncompressed: solved factors are dense floats that zstd shrinks by ~15% but slows every worker's read 3×
@@ -40,9 +78,11 @@ def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: Stag
         out[lo:hi] = f.cpu().numpy()
     assert out is not None
     out.attrs["fingerprint"] = loc.key
-    return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype), "work": im.work.as_dict()}
+    work += im.work
+    return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype), "work": work.as_dict()}
 
 
-def run(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int) -> StageRef:
-    """Solve for the query factors with `threads` torch threads, or return the stored ones."""
-    return plan(method, model, data, curvature, store, threads).run(lambda loc: _compute(method, model, data, curvature, store, loc))
+def run(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int, client_factory: Callable[[], Any] | None = None) -> StageRef:
+    """Solve for the query factors with `threads` torch threads, or return the stored ones. LiSSA's repeats run as
+    tasks on the cluster of `client_factory()` (a context manager yielding a Dask client or None), else here."""
+    return plan(method, model, data, curvature, store, threads).run(lambda loc: _compute(method, model, data, curvature, store, loc, client_factory))

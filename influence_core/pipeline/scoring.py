@@ -29,9 +29,10 @@ from ..methods.scorer import Scorer
 from ..models import load_state
 from ..refs import DataRef, ModelRef, ScoresRef, StageRef
 from ..self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
-from ..specs import AggregateSpec, ComputeSpec, MethodSpec
+from ..specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec
 from ..threads import TASK_THREADS, torch_threads
 from ..work import Work
+from . import candidates as candidate_stage
 from .loading import load_influence_model, open_data, save_tensors
 from .stage import StageCall, StageLocation
 from .store import RunStore
@@ -110,14 +111,19 @@ def _score_chunk(scorer: _Scorer, job: ScoreJob, index: int) -> None:
     storage.write_bytes(storage.join(job.markers_url, str(index)), b"", job.options)
 
 
-def plan(compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore) -> StageCall[ScoresRef]:
-    config = {
+def plan(
+    compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore,
+    candidates: CandidatesSpec | None = None,
+) -> StageCall[ScoresRef]:
+    config: dict[str, Any] = {
         "output_url": store.output_url,
         "train_chunk_rows": compute.train_chunk_rows,
         "target_shard_mb": compute.target_shard_mb,
         "method": method.model_dump(mode="json"),
         "self_influence": {"mode": aggregate.self_influence, "rank": aggregate.self_influence_rank},
     }
+    if candidates is not None and candidates.knn_k is not None:  # FastIF: candidate scores, no self-influence
+        config.update(self_influence={"mode": "off"}, candidates=candidates.model_dump(mode="json"))
     inputs = {"model": model, "data": data, "curvature": curvature, "factors": factors}
     return StageCall("compute_influences", ScoresRef, config, inputs, store, compute.torch_threads)
 
@@ -224,9 +230,13 @@ def run(
     store: RunStore,
     client_factory: Callable[[], Any],
     on_progress: Progress | None = None,
+    candidates: CandidatesSpec | None = None,
 ) -> ScoresRef:
-    """Compute (or finish computing) the scores; `client_factory()` is a context manager yielding a Dask client or None."""
-    call = plan(compute, method, aggregate, model, data, curvature, factors, store)
+    """Compute (or finish computing) the scores, or with `candidates.knn_k` only each query's candidates;
+    `client_factory()` is a context manager yielding a Dask client or None."""
+    call = plan(compute, method, aggregate, model, data, curvature, factors, store, candidates)
+    if candidates is not None and candidates.knn_k is not None:
+        return candidate_stage.run(call, candidates, compute, method, model, data, curvature, factors, store, client_factory, on_progress)
     job = make_job(call, compute, data, method, model, curvature, factors, store)
     return call.run(lambda loc: _compute(job, aggregate, client_factory, on_progress, loc))
 
