@@ -187,12 +187,13 @@ def _input_first(dense: torch.Tensor, a: torch.Tensor, g: torch.Tensor, work: Wo
     m, height, width = dense.shape
     n = len(a)
     out = dense.new_empty(m, n)
-    step = max(1, CACHE_BYTES // (height * n * dense.element_size()))
+    step = min(m, max(1, CACHE_BYTES // (height * n * dense.element_size())))
     g_t, a_t = g.T.contiguous(), a.T
+    buffer = dense.new_empty(step * height, n)  # one buffer for every block: no allocation (nor page faults) per block
     for lo in range(0, m, step):
         block = dense[lo : lo + step]
-        x = (block.reshape(-1, width) @ a_t).view(len(block), height, n)
-        out[lo : lo + step] = x.mul_(g_t).sum(1)
+        x = torch.mm(block.reshape(-1, width), a_t, out=buffer[: len(block) * height]).view(len(block), height, n)
+        torch.sum(x.mul_(g_t), dim=1, out=out[lo : lo + step])
     work.score_flops += 2.0 * m * height * n * (width + 1)
     return out
 
