@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any
 
@@ -67,15 +68,21 @@ def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: Stag
     block = max(1, min(n_test, SOLVE_BLOCK_BYTES // (8 * im.objective.space.dim)))
     url = loc.path("factors.zarr")
     out = None
-    for lo in range(0, n_test, block):
-        hi = min(lo + block, n_test)
-        x, y = torch.from_numpy(np.asarray(x_test[lo:hi])), torch.from_numpy(np.asarray(y_test[lo:hi]))
-        f = im.influence_factors(x, y) if dense is None else im.finish_factors(torch.from_numpy(dense[lo:hi]), x, y)
-        if out is None:
-            group = storage.open_group(url, store.options, mode="w")
-            # uncompressed: solved factors are dense floats that zstd shrinks by ~15% but slows every worker's read 3×
-            out = group.create_array("factors", shape=(n_test, f.shape[1]), chunks=(block, f.shape[1]), dtype=str(f.dtype).removeprefix("torch."), compressors=None)
-        out[lo:hi] = f.cpu().numpy()
+    with ThreadPoolExecutor(max_workers=1) as writer:  # a block is written while the next one is solved
+        pending: Future | None = None
+        for lo in range(0, n_test, block):
+            hi = min(lo + block, n_test)
+            x, y = torch.from_numpy(np.asarray(x_test[lo:hi])), torch.from_numpy(np.asarray(y_test[lo:hi]))
+            f = im.influence_factors(x, y) if dense is None else im.finish_factors(torch.from_numpy(dense[lo:hi]), x, y)
+            if out is None:
+                group = storage.open_group(url, store.options, mode="w")
+                # uncompressed: solved factors are dense floats that zstd shrinks by ~15% but slows every worker's read 3×
+                out = group.create_array("factors", shape=(n_test, f.shape[1]), chunks=(block, f.shape[1]), dtype=str(f.dtype).removeprefix("torch."), compressors=None)
+            if pending is not None:
+                pending.result()  # one block in flight at most; a failed write fails the stage here
+            pending = writer.submit(out.__setitem__, slice(lo, hi), f.cpu().numpy())
+        if pending is not None:
+            pending.result()
     assert out is not None
     out.attrs["fingerprint"] = loc.key
     work += im.work
