@@ -187,6 +187,7 @@ class CgMethod(CurvatureMethod, Projected):
     preconditioner_rank: int = Field(20, ge=1, title="Preconditioner rank", description="Rank of the Nyström preconditioner.")
     hutchinson_probes: int = Field(32, ge=1, title="Hutchinson probes", description="Random probes for the Jacobi diagonal estimate.")
     seed: int = Field(0, title="Seed", description="Seed of the preconditioner's random sketch or probes.")
+    block: bool = Field(True, title="Block CG", description="Solve a chunk's queries together in one shared Krylov space (far fewer iterations); off: one independent CG per query.")
 
 
 class LissaMethod(CurvatureMethod):

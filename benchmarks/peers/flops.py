@@ -35,7 +35,7 @@ def _layers(w: dict[str, Any]) -> list[tuple[int, int]]:
     return [(i + 1, o) for i, o in w["layers"]]
 
 
-def curvature_pass(w: dict[str, Any], matrix: str, vectors: int, examples: int | None = None) -> float:
+def curvature_pass(w: dict[str, Any], matrix: str, vectors: float, examples: int | None = None) -> float:
     """One product of the curvature with `vectors` vectors over `examples` (default: all n) training examples."""
     p, n = w["n_params"], examples or w["n_train"]
     if matrix == "ef":
@@ -65,7 +65,8 @@ def stage_flops(stage: str, method: str, matrix: str, w: dict[str, Any], options
             return grads + 2.0 * p * p * m
         if method == "cg":
             it = info.get("iterations")
-            return None if it is None else grads + it * curvature_pass(w, matrix, m)
+            per_iteration = info.get("products", (it or 0) * m) / max(it or 1, 1)  # vectors per product pass
+            return None if it is None else grads + it * curvature_pass(w, matrix, per_iteration)
         if method == "lissa":
             steps = info.get("lissa_steps")
             return None if steps is None else grads + steps * curvature_pass(w, matrix, m, info["lissa_batch"])

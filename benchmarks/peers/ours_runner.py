@@ -20,13 +20,13 @@ CLASSES = {"direct": "DirectInfluence", "cg": "CgInfluence", "lissa": "LissaInfl
 
 
 def solver_info(im: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """What the solvers report, in the flop model's terms: CG iterations (of the last solve, the maximum over its
-    right-hand sides) and LiSSA steps (summed over repeats) with the examples per step."""
+    """What the solvers report, in the flop model's terms: CG iterations and the vectors multiplied (of the last
+    solve; block CG multiplies fewer than iterations × right-hand sides once directions deflate) and LiSSA steps (summed over repeats) with the examples per step."""
     info: dict[str, Any] = {}
     for solver in im.solvers.values():
         last = getattr(solver, "last_solve", None)
         if last is not None:
-            info.update(iterations=last.iterations, max_relative_residual=last.max_relative_residual, unconverged=last.unconverged)
+            info.update(iterations=last.iterations, products=last.products, max_relative_residual=last.max_relative_residual, unconverged=last.unconverged)
         steps = getattr(solver, "iterations", None)
         if isinstance(steps, list) and steps:
             info.update(lissa_steps=sum(steps), lissa_batch=options.get("lissa_batch_size", 64))

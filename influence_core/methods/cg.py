@@ -8,22 +8,23 @@ import torch
 
 from ..blocks import BlockCurvature
 from ..lowrank import nystroem
-from ..solvers import SolveInfo, conjugate_gradient
+from ..solvers import SolveInfo, block_conjugate_gradient, conjugate_gradient
 from .base import BlockSolver, InfluenceFunctionModel
 
 CgPreconditioner = Literal["none", "jacobi", "nystroem"]
 
 
 class CgSolver(BlockSolver):
-    """Vectorised CG on (C + λI) X = G, one independent run per row, with an optional preconditioner:
+    """CG on (C + λI) X = G: block CG over all rows at once (default) or one independent, vectorised run per row,
+    with an optional preconditioner:
 
     - `jacobi`: 1/(diag(C) + λ), the diagonal estimated by Hutchinson's method with Rademacher probes;
     - `nystroem`: from a rank-r Nyström sketch, P⁻¹ = (Λ_r + λ) U (Λ + λI)⁻¹ Uᵀ + (I − UUᵀ) (Frangella et al., 2023).
     """
 
-    def __init__(self, curvature: BlockCurvature, lam: float, rtol: float, atol: float, maxiter: int | None, preconditioner: CgPreconditioner, rank: int, probes: int, seed: int) -> None:
+    def __init__(self, curvature: BlockCurvature, lam: float, rtol: float, atol: float, maxiter: int | None, preconditioner: CgPreconditioner, rank: int, probes: int, seed: int, block: bool) -> None:
         super().__init__(curvature, lam)
-        self.rtol, self.atol, self.maxiter = rtol, atol, maxiter
+        self.rtol, self.atol, self.maxiter, self.block = rtol, atol, maxiter, block
         self.kind, self.rank, self.probes, self.seed = preconditioner, min(rank, curvature.dim), probes, seed
         self.state: dict[str, torch.Tensor] = {}
         self.last_solve: SolveInfo | None = None
@@ -53,7 +54,8 @@ class CgSolver(BlockSolver):
         return smallest * (coords / (values + self.lam)) @ u.T + residuals - coords @ u.T
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
-        solution, self.last_solve = conjugate_gradient(
+        solve = block_conjugate_gradient if self.block else conjugate_gradient
+        solution, self.last_solve = solve(
             lambda v: self.curvature.matmat(v) + self.lam * v,
             features,
             rtol=self.rtol,
@@ -82,10 +84,11 @@ class CgInfluence(InfluenceFunctionModel):
         preconditioner_rank: int = 20,
         hutchinson_probes: int = 32,
         seed: int = 0,
+        block: bool = True,
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.options = (rtol, atol, maxiter, preconditioner, preconditioner_rank, hutchinson_probes, seed)
+        self.options = (rtol, atol, maxiter, preconditioner, preconditioner_rank, hutchinson_probes, seed, block)
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return CgSolver(curvature, lam, *self.options)
