@@ -243,6 +243,28 @@ def agreement(results: dict[str, Any]) -> None:
             entry["vs_library"] = corr(np.load(good[-1]["scores_file"]), lib)
 
 
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One result from the peers.json files of separate runs (e.g. one workload per run, the machine idle for each):
+    runs, rows, pipelines and references are united, each run's GEMM rates kept under its workloads' names."""
+    parts = [json.loads(Path(path).read_text()) for path in paths]
+    merged: dict[str, Any] = {"runs": {}, "rows": [], "pipelines": [], "references": {}, "commands": [], "workloads": {}, "gemm": {}, "skipped": []}
+    for part in parts:
+        for key in ("runs", "references", "workloads"):
+            merged[key].update(part.get(key, {}))
+        for key in ("rows", "pipelines", "commands"):
+            merged[key] += part.get(key, [])
+        merged["skipped"] += [s for s in part.get("skipped", []) if s not in merged["skipped"]]
+        name = "+".join(part.get("workloads", {})) or "run"
+        merged["gemm"].update({f"{name} {when}": g for when, g in part.get("gemm", {}).items()})
+    complete = all("total_seconds" in part for part in parts)
+    merged["machine"] = min((part["machine"] for part in parts), key=lambda m: m["started"])
+    merged["argv"] = ["benchmarks/peers.py", "--merge", *paths]
+    merged["merged_from"] = [{"argv": part["argv"], "started": part["machine"]["started"], "complete": "total_seconds" in part} for part in parts]
+    if complete:
+        merged["total_seconds"] = sum(part["total_seconds"] for part in parts)
+    return merged
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny workloads and one repetition: a smoke run")
@@ -256,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scratch", default=str(ROOT / "benchmarks" / ".scratch" / "peers"), help="workloads, scores, logs (kept between runs)")
     p.add_argument("--results", default=None, help="where peers.md, peers.png and peers.json go (default benchmarks/results; --quick: the scratch directory)")
     p.add_argument("--report-only", action="store_true", help="recompute agreement and rewrite peers.md/png from the existing peers.json")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="write one report from the peers.json of separate runs (e.g. --workloads W1, then W2, ...)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the running side is killed with its workers
     args.reps = args.reps or (1 if args.quick else 2)
@@ -265,8 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     suffix = "-quick" if args.quick else ""
     out = Path(args.results or (Path(args.scratch) if args.quick else ROOT / "benchmarks" / "results"))
     raw = out / f"peers{suffix}.json"
-    if args.report_only:
-        results = json.loads(raw.read_text())
+    if args.report_only or args.merge:
+        results = merge(args.merge) if args.merge else json.loads(raw.read_text())
+        if args.merge:
+            out.mkdir(parents=True, exist_ok=True)
+            raw.write_text(json.dumps(results, indent=1))
         agreement(results)
         print(report.summary(report.write(results, out, suffix, planning.E2E_PEARSON, THREADS), out / f"peers{suffix}.md"))
         return

@@ -253,9 +253,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def duration(results: dict[str, Any]) -> str:
     """How long the run took, or that it was interrupted (then only the rows before the interruption are here)."""
+    runs = "".join(
+        f"{'' if i == 0 else ';'} `{' '.join(m['argv'])}` started {m['started']}{'' if m['complete'] else ' (**interrupted**)'}"
+        for i, m in enumerate(results.get("merged_from", []))
+    )
+    merged = f", merged from separate runs:{runs}" if runs else ""
     if "total_seconds" in results:
-        return f" in {results['total_seconds'] / 60:.1f} min"
-    return ", **interrupted** after the rows below (rows, sweeps and pipelines not listed were not run)"
+        return f" in {results['total_seconds'] / 60:.1f} min{merged}"
+    return f"{merged}, **interrupted** after the rows below (rows, sweeps and pipelines not listed were not run)"
 
 
 def write(results: dict[str, Any], out: Path, suffix: str, threshold: float, threads: int) -> str:

@@ -72,3 +72,26 @@ def test_failures_and_timeouts_are_results(tmp_path: Path) -> None:
     assert slow["timed_out"] and execute.outcome(slow) == "timed out after 1 s"
     fine = execute.run_json([sys.executable, "-c", "print('{\"x\": 1}')"], 60, tmp_path / "ok.log")
     assert execute.ok(fine) and fine["x"] == 1
+
+
+def test_separate_runs_merge_into_one_report(tmp_path: Path) -> None:
+    """Workloads run one per process merge into one result: every run, row and GEMM rate kept, an interrupted part
+    leaves the whole marked interrupted."""
+    sys.path.insert(0, str(PEERS.parent))
+    import peers
+
+    def part(name: str, started: str, complete: bool) -> Path:
+        result = {"runs": {f"{name}/ours": {"seconds": 1}}, "rows": [{"workload": name}], "pipelines": [], "references": {name: []},
+                  "commands": [f"cmd {name}"], "workloads": {name: {}}, "gemm": {"start": {"best": {"2": 100.0}}},
+                  "skipped": ["same note"], "machine": {"started": started, "cpus": 2}, "argv": ["benchmarks/peers.py", "--workloads", name]}
+        if complete:
+            result["total_seconds"] = 60.0
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(result))
+        return path
+
+    merged = peers.merge([str(part("W1", "2026-01-02", True)), str(part("W2", "2026-01-01", True))])
+    assert set(merged["runs"]) == {"W1/ours", "W2/ours"} and [r["workload"] for r in merged["rows"]] == ["W1", "W2"]
+    assert set(merged["gemm"]) == {"W1 start", "W2 start"} and merged["skipped"] == ["same note"]
+    assert merged["machine"]["started"] == "2026-01-01" and merged["total_seconds"] == 120.0
+    assert "total_seconds" not in peers.merge([str(part("W1", "2026-01-02", True)), str(part("W3", "2026-01-03", False))])
