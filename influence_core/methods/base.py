@@ -95,6 +95,9 @@ class InfluenceFunctionModel(ABC):
     # torch.func.functional_call swaps tensors on the module during a call, so one module must not serve
     # two threads at once; a method that avoids this may declare itself thread-safe.
     thread_safe: ClassVar[bool] = False
+    # Query rows the pipeline solves together, in float64 bytes of their gradients: small blocks let a block be
+    # written while the next is solved; iterative solvers raise it, as every row of a block shares each data pass.
+    solve_block_bytes: ClassVar[int] = 256 * 2**20
     needs_positive_regularization: ClassVar[bool] = False
     row_order: ClassVar[RowOrder] = "parameters"  # how a layer's columns lie in a factor row
     cheap_solve: ClassVar[bool] = False  # whether `auto` self-influence may solve once per training example

@@ -73,6 +73,7 @@ class CgInfluence(InfluenceFunctionModel):
     training data, so the data must be at hand at solve time (kept from `fit`, or given to `load_state_dict`)."""
 
     name = "cg"
+    solve_block_bytes = 2 * 2**30  # block CG: more rows per block, fewer passes over the data in all
 
     def __init__(
         self,

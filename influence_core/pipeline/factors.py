@@ -20,8 +20,6 @@ from .loading import load_influence_model, open_data
 from .stage import StageCall, StageLocation
 from .store import RunStore
 
-SOLVE_BLOCK_BYTES = 256 * 2**20  # queries solved together: more rows share each pass over the training data
-
 
 def plan(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int, compute: ComputeSpec | None = None) -> StageCall[StageRef]:
     """The stage's key; `compute` (where LiSSA's repeats run) is left out of it: every cluster kind gives the same bits."""
@@ -65,7 +63,7 @@ def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: Stag
     dense = None
     if method.name == "lissa":
         dense, work = _lissa_dense(method, model, data, curvature, store.options, client_factory)
-    block = max(1, min(n_test, SOLVE_BLOCK_BYTES // (8 * im.objective.space.dim)))
+    block = max(1, min(n_test, im.solve_block_bytes // (8 * im.objective.space.dim)))
     url = loc.path("factors.zarr")
     out = None
     with ThreadPoolExecutor(max_workers=1) as writer:  # a block is written while the next one is solved
