@@ -50,6 +50,14 @@ SETUP = {"pydvl": ROOT / "benchmarks" / "pydvl" / "setup_env.sh", "kronfluence":
 THREADS = 2  # every side's torch threads; the GEMM rate at this count is the ceiling the stages are compared with
 
 
+def measured_commit() -> str:
+    """The commit being measured, marked `+dirty` when the work tree differs from it (results name their code)."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
 def venv_pythons() -> dict[str, str]:
     """The python of each side: this one for ours, the peers' (built on first use, stamped) for theirs."""
     pythons = {"ours": sys.executable}
@@ -259,7 +267,8 @@ def merge(paths: list[str]) -> dict[str, Any]:
     complete = all("total_seconds" in part for part in parts)
     merged["machine"] = min((part["machine"] for part in parts), key=lambda m: m["started"])
     merged["argv"] = ["benchmarks/peers.py", "--merge", *paths]
-    merged["merged_from"] = [{"argv": part["argv"], "started": part["machine"]["started"], "complete": "total_seconds" in part} for part in parts]
+    merged["merged_from"] = [{"argv": part["argv"], "started": part["machine"]["started"], "commit": part["machine"].get("commit", "unknown"),
+                             "complete": "total_seconds" in part} for part in parts]
     if complete:
         merged["total_seconds"] = sum(part["total_seconds"] for part in parts)
     return merged
@@ -301,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     pythons = venv_pythons()
     harness = Harness(args, pythons)
     harness.results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                                  "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                                  "commit": measured_commit(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     harness.results["argv"] = ["benchmarks/peers.py", *(argv if argv is not None else sys.argv[1:])]
     harness.gemm("start")
     plan = planning.build(args.quick, args.workloads, ours_options())

@@ -76,14 +76,14 @@ def test_failures_and_timeouts_are_results(tmp_path: Path) -> None:
 
 def test_separate_runs_merge_into_one_report(tmp_path: Path) -> None:
     """Workloads run one per process merge into one result: every run, row and GEMM rate kept, an interrupted part
-    leaves the whole marked interrupted."""
+    leaves the whole marked interrupted, and each part keeps the commit it measured."""
     sys.path.insert(0, str(PEERS.parent))
     import peers
 
     def part(name: str, started: str, complete: bool) -> Path:
         result = {"runs": {f"{name}/ours": {"seconds": 1}}, "rows": [{"workload": name}], "pipelines": [], "references": {name: []},
                   "commands": [f"cmd {name}"], "workloads": {name: {}}, "gemm": {"start": {"best": {"2": 100.0}}},
-                  "skipped": ["same note"], "machine": {"started": started, "cpus": 2}, "argv": ["benchmarks/peers.py", "--workloads", name]}
+                  "skipped": ["same note"], "machine": {"started": started, "cpus": 2, "commit": f"c{name}"}, "argv": ["benchmarks/peers.py", "--workloads", name]}
         if complete:
             result["total_seconds"] = 60.0
         path = tmp_path / f"{name}.json"
@@ -94,4 +94,5 @@ def test_separate_runs_merge_into_one_report(tmp_path: Path) -> None:
     assert set(merged["runs"]) == {"W1/ours", "W2/ours"} and [r["workload"] for r in merged["rows"]] == ["W1", "W2"]
     assert set(merged["gemm"]) == {"W1 start", "W2 start"} and merged["skipped"] == ["same note"]
     assert merged["machine"]["started"] == "2026-01-01" and merged["total_seconds"] == 120.0
+    assert [m["commit"] for m in merged["merged_from"]] == ["cW1", "cW2"]  # each part names the code it measured
     assert "total_seconds" not in peers.merge([str(part("W1", "2026-01-02", True)), str(part("W3", "2026-01-03", False))])
