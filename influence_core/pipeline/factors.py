@@ -27,6 +27,16 @@ def plan(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef
     return StageCall("compute_test_factors", StageRef, {"method": method.model_dump(mode="json")}, inputs, store, threads)
 
 
+FACTOR_CHUNK_BYTES = 16 * 2**20  # stored chunks of query rows: small enough that writer and readers reuse their buffers
+
+
+def chunk_rows(block: int, row_bytes: int) -> int:
+    """Query rows per stored chunk: the most that fit FACTOR_CHUNK_BYTES and divide the solve block, so each block
+    writes whole chunks (at least one row per chunk)."""
+    limit = max(1, min(block, FACTOR_CHUNK_BYTES // row_bytes))
+    return max(d for d in range(1, limit + 1) if block % d == 0)
+
+
 def lissa_repeat(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, options: dict[str, Any], index: int) -> tuple[np.ndarray, dict[str, float]]:
     """One LiSSA repeat's term of the dense query factors, for every query, and the work it did: one Dask task."""
     with torch_threads(TASK_THREADS):  # the same arithmetic on any cluster kind, sequential included
@@ -75,7 +85,7 @@ def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: Stag
             if out is None:
                 group = storage.open_group(url, store.options, mode="w")
                 # uncompressed: solved factors are dense floats that zstd shrinks by ~15% but slows every worker's read 3×
-                out = group.create_array("factors", shape=(n_test, f.shape[1]), chunks=(block, f.shape[1]), dtype=str(f.dtype).removeprefix("torch."), compressors=None)
+                out = group.create_array("factors", shape=(n_test, f.shape[1]), chunks=(chunk_rows(block, f.shape[1] * f.element_size()), f.shape[1]), dtype=str(f.dtype).removeprefix("torch."), compressors=None)
             if pending is not None:
                 pending.result()  # one block in flight at most; a failed write fails the stage here
             pending = writer.submit(out.__setitem__, slice(lo, hi), f.cpu().numpy())
