@@ -31,10 +31,30 @@ class Objective:
 
     def to_model(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Move a batch to the parameters' device, and floating inputs and targets to their dtype."""
-        device, dtype = self.space.device, self.space.dtype
-        x = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
-        y = y.to(device=device, dtype=dtype if y.is_floating_point() else y.dtype)
-        return x, y
+        return self._to_space(x), self._to_space(y)
+
+    def _to_space(self, t: torch.Tensor) -> torch.Tensor:
+        dtype = self.space.dtype if t.is_floating_point() else t.dtype
+        return t.to(device=self.space.device, dtype=dtype)
+
+    def activation_bytes(self, x: torch.Tensor) -> int:
+        """Bytes of all leaf modules' outputs per example, from a forward pass of `x` (sizes curvature-product calls)."""
+        x = self._to_space(x)
+        total = 0
+
+        def count(module: nn.Module, args: object, output: object) -> None:
+            nonlocal total
+            total += sum(t.numel() * t.element_size() for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, torch.Tensor))
+
+        leaves = [m for m in self.model.modules() if not any(True for _ in m.children())]
+        handles = [m.register_forward_hook(count) for m in leaves]
+        try:
+            with torch.no_grad():
+                self.outputs(self.params, x)
+        finally:
+            for h in handles:
+                h.remove()
+        return total // max(1, len(x))
 
     def outputs(self, params: Params, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, self.space.full_state(params), (x,))

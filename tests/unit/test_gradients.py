@@ -11,13 +11,13 @@ from torch.func import hessian, jacrev
 from influence_core import Objective
 from influence_core.batches import TensorBatches
 from influence_core.blocks import BlockCurvature
-from influence_core.curvature import CurvatureOperator
+from influence_core.curvature import PRODUCT_ACTIVATION_BYTES, CurvatureOperator
 
 torch.manual_seed(0)
 
 
-def dense(objective: Objective, x: torch.Tensor, y: torch.Tensor, batch_size: int, mode: str) -> torch.Tensor:
-    operator = CurvatureOperator(objective, TensorBatches(x, y, batch_size), mode)
+def dense(objective: Objective, x: torch.Tensor, y: torch.Tensor, batch_size: int, mode: str, budget: int) -> torch.Tensor:
+    operator = CurvatureOperator(objective, TensorBatches(x, y, batch_size), mode, activation_budget=budget)
     return BlockCurvature(operator, slice(0, operator.dim), "all").dense()
 
 
@@ -41,17 +41,30 @@ def test_per_sample_gradients_match_backward_loop(make, shape):
         torch.testing.assert_close(grads[i], expected, rtol=1e-12, atol=1e-12)
 
 
-def test_hessian_operator_matches_torch_func_hessian_with_unequal_batches():
+# One vector per product call, a few, and all of them in one call.
+BUDGETS = [1, 3 * 1000, PRODUCT_ACTIVATION_BYTES]
+
+
+def test_activation_bytes_counts_every_leaf_output():
+    objective = Objective(mlp(), "cross_entropy")
+    assert objective.activation_bytes(torch.randn(4, 5, dtype=torch.float64)) == (7 + 7 + 3) * 8  # Linear, Tanh, Linear
+    operator = CurvatureOperator(objective, None, activation_budget=3 * 17 * 8 * 4)
+    assert operator.vectors_per_call(torch.randn(4, 5)) == 3
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_hessian_operator_matches_torch_func_hessian_with_unequal_batches(budget):
     model = mlp()
     x, y = torch.randn(23, 5, dtype=torch.float64), torch.randint(0, 3, (23,))
     objective = Objective(model, "cross_entropy")
     flat = objective.space.flatten(objective.params)
     expected = hessian(lambda p: objective.batch_loss(objective.space.unflatten(p), x, y))(flat)
     for batch_size in (23, 5, 1):  # one batch, unequal batches (5,5,5,5,3), single examples
-        torch.testing.assert_close(dense(objective, x, y, batch_size, "hessian"), expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(dense(objective, x, y, batch_size, "hessian", budget), expected, rtol=1e-10, atol=1e-12)
 
 
-def test_gauss_newton_operator_matches_explicit_jacobian():
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_gauss_newton_operator_matches_explicit_jacobian(budget):
     model = mlp()
     x, y = torch.randn(17, 5, dtype=torch.float64), torch.randint(0, 3, (17,))
     objective = Objective(model, "cross_entropy")
@@ -60,4 +73,4 @@ def test_gauss_newton_operator_matches_explicit_jacobian():
     out_hessian = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
     expected = torch.einsum("ncp,ncd,ndq->pq", jac, out_hessian, jac) / len(x)
     for batch_size in (17, 4):
-        torch.testing.assert_close(dense(objective, x, y, batch_size, "gauss_newton"), expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(dense(objective, x, y, batch_size, "gauss_newton", budget), expected, rtol=1e-10, atol=1e-12)
