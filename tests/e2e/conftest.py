@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -35,6 +36,18 @@ def wait_healthy(url: str, process: subprocess.Popen, log: Path, seconds: float 
     raise TimeoutError(f"the Prefect server did not answer in {seconds} s: {log.read_text()[-3000:]}")
 
 
+def stop(process: subprocess.Popen, grace: float = 10) -> None:
+    """SIGTERM, then SIGKILL to the process group after `grace` seconds. Once idle for a minute or more,
+    `prefect worker start` (3.8.8) ignores the SIGINT it sends itself on SIGTERM and keeps polling (reproduced: a
+    32 s teardown, the worker left running without the kill), so its shutdown must not fail or stall the suite."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=grace)
+
+
 @pytest.fixture(scope="session")
 def prefect_service(tmp_path_factory) -> Iterator[dict[str, str]]:
     """`prefect server start` on a free port of 127.0.0.1 with its own SQLite home; yields the environment."""
@@ -51,13 +64,12 @@ def prefect_service(tmp_path_factory) -> Iterator[dict[str, str]]:
     }
     log = home / "server.log"
     with open(log, "wb") as out:
-        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=home)
+        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=home, start_new_session=True)
     try:
         wait_healthy(env["PREFECT_API_URL"], server, log)
         yield env
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server)
 
 
 @pytest.fixture(scope="session")
@@ -71,9 +83,8 @@ def deployed(prefect_service: dict[str, str]) -> Iterator[dict[str, str]]:
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     log = Path(env["PREFECT_HOME"]) / "worker.log"
     with open(log, "wb") as out:
-        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "influence-pool", "--type", "process"], env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "influence-pool", "--type", "process"], env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield {**env, "WORKER_LOG": str(log)}
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        stop(worker)
