@@ -57,11 +57,12 @@ class CurvatureOperator:
 
     def _products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
         """(rows of `vectors`, their product with this batch's mean-loss curvature), `vectors_per_call` rows at a time."""
-        product = self.objective.hessian_products if self.mode == "hessian" else self.objective.gauss_newton_products
+        setup = self.objective.hessian_product if self.mode == "hessian" else self.objective.gauss_newton_product
+        product = setup(x, y)  # the batch's graph once, then one call per slice of vectors
         step = self.vectors_per_call(x)
         for start in range(0, len(vectors), step):
             rows = slice(start, start + step)
-            yield rows, product(x, y, vectors[rows]).detach()
+            yield rows, product(vectors[rows])
 
     def batch_product(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
         """Rows of `vectors` times the curvature of one batch's mean loss."""

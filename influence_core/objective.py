@@ -11,6 +11,7 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 from .errors import ConfigError
 from .losses import LossFn, resolve_loss
 from .params import ParamSpace
+from .solvers import MatMat
 from .work import Work
 
 Params = dict[str, torch.Tensor]
@@ -72,22 +73,26 @@ class Objective:
         grads = vmap(grad(self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
         return self.space.flatten(grads, batch_dims=1)
 
-    def hessian_products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
-        """Rows of `vectors` (k, p) times the Hessian of this batch's mean loss.
+    def hessian_product(self, x: torch.Tensor, y: torch.Tensor) -> MatMat:
+        """`V ↦ V·H` for the Hessian of this batch's mean loss, applied to rows of V (k, p) as often as needed.
 
-        Reverse-over-reverse: one graph of the gradient, pulled back once per vector under vmap. (torch 2.13's
-        forward-over-reverse fails on some losses with "ZeroTensors are immutable".)
+        Reverse-over-reverse: the gradient's graph is built once here and pulled back per vector under vmap. (torch
+        2.13's forward-over-reverse fails on some losses with "ZeroTensors are immutable".)
         """
         x, y = self.to_model(x, y)
-        self.work.product_rows += len(vectors) * len(x)
         _, pullback = vjp(lambda p: grad(self.batch_loss)(p, x, y), self.params)
-        out = vmap(lambda v: pullback(v)[0])(self.space.unflatten(vectors))
-        return self.space.flatten(out, batch_dims=1)
 
-    def gauss_newton_products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
-        """Rows of `vectors` (k, p) times the generalised Gauss-Newton matrix Jᵀ ∇²ℓ(f) J of this batch."""
+        def apply(vectors: torch.Tensor) -> torch.Tensor:
+            self.work.product_rows += len(vectors) * len(x)
+            out = vmap(lambda v: pullback(v)[0])(self.space.unflatten(vectors))
+            return self.space.flatten(out, batch_dims=1).detach()
+
+        return apply
+
+    def gauss_newton_product(self, x: torch.Tensor, y: torch.Tensor) -> MatMat:
+        """`V ↦ V·G` for the generalised Gauss-Newton matrix Jᵀ ∇²ℓ(f) J of this batch; the forward pass and the
+        output Hessian are set up once here, the Jacobian products run per call under vmap."""
         x, y = self.to_model(x, y)
-        self.work.product_rows += len(vectors) * len(x)
 
         def forward(p: Params) -> torch.Tensor:
             return self.outputs(p, x)
@@ -99,8 +104,11 @@ class Objective:
             jv = jvp(forward, (self.params,), (v,))[1]
             return pullback(loss_hessian(jv)[0])[0]
 
-        out_vectors = vmap(single)(self.space.unflatten(vectors))
-        return self.space.flatten(out_vectors, batch_dims=1)
+        def apply(vectors: torch.Tensor) -> torch.Tensor:
+            self.work.product_rows += len(vectors) * len(x)
+            return self.space.flatten(vmap(single)(self.space.unflatten(vectors)), batch_dims=1).detach()
+
+        return apply
 
     def check_outputs(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Fail early, naming the field, when outputs cannot be scored against the labels `y` (pass them all) or

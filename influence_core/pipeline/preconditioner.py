@@ -50,9 +50,6 @@ class FactorJob:
         arrays = open_data(self.data, self.options)
         return ArrayBatches(arrays["x_train"], arrays["y_train"], self.method.batch_size, lo, hi)
 
-    def blocks(self) -> list[tuple[int, int]]:
-        return factor_blocks(self.data.n_train)
-
 
 def factor_blocks(n: int) -> list[tuple[int, int]]:
     """⌈n / FACTOR_ROWS⌉ row ranges of equal size (to one row), so no task waits on a short last block: W3's 5,000
@@ -73,7 +70,7 @@ def correction_chunk(job: FactorJob, lo: int, hi: int, bases: dict[str, Any]) ->
 
 def _map(client: Client | None, fn: Callable[..., Sums], job: FactorJob, **shared: Any) -> Iterator[Sums]:
     """The block sums in block order, from the cluster or computed here."""
-    blocks = job.blocks()
+    blocks = factor_blocks(job.data.n_train)
     if client is None:
         return (fn(job, lo, hi, **shared) for lo, hi in blocks)
     if shared:
