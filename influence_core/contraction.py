@@ -12,6 +12,7 @@ Parameters outside such layers (embeddings, norms, custom modules) keep vmap per
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -118,6 +119,30 @@ class Rows:
         layers = {cut.layer.name: LayerRows(dense=cut.matrix(flat, order).contiguous()) for cut in split.cuts}
         rest = None if split.rest_columns is None else flat[:, split.rest_columns.to(flat.device)]
         return Rows(layers, rest, len(flat))
+
+
+def _parts(rows: LayerRows) -> dict[str, torch.Tensor]:
+    return {name: t for name in ("dense", "left", "right") if (t := getattr(rows, name)) is not None}
+
+
+def stream_rows(blocks: Iterable[tuple[int, torch.Tensor]], count: int, split: GradientSplit, order: RowOrder, rank: int | None) -> Rows:
+    """`factor_rows` of `count` stored rows that arrive as (first row, flat block) pairs: each block is copied into
+    per-layer tensors allocated once, so the flat (count, p) matrix is never held beside them (half the memory)."""
+    out: Rows | None = None
+    for lo, flat in blocks:
+        part = factor_rows(flat, split, order, rank)
+        if out is None:
+            layers = {name: LayerRows(**{k: t.new_empty(count, *t.shape[1:]) for k, t in _parts(rows).items()}) for name, rows in part.layers.items()}
+            rest = None if part.rest is None else part.rest.new_empty(count, part.rest.shape[1])
+            out = Rows(layers, rest, count)
+        for name, rows in part.layers.items():
+            for k, t in _parts(rows).items():
+                getattr(out.layers[name], k)[lo : lo + len(flat)] = t
+        if out.rest is not None:
+            assert part.rest is not None
+            out.rest[lo : lo + len(flat)] = part.rest
+    assert out is not None, "no factor rows to read"
+    return out
 
 
 def dense_rows(rows: LayerRows) -> torch.Tensor:

@@ -20,11 +20,14 @@ if TYPE_CHECKING:
 class Scorer:
     """Callable on (x, y): (scores (n_queries, n) or None without factors, self-influences (n,) or None when off)."""
 
-    def __init__(self, im: "InfluenceFunctionModel", factors: torch.Tensor | None, plan: SelfInfluencePlan) -> None:
+    def __init__(self, im: "InfluenceFunctionModel", factors: torch.Tensor | Rows | None, plan: SelfInfluencePlan) -> None:
+        """`factors`: flat (n_queries, p') as `influence_factors` returns them, or (for methods that contract) already
+        as per-layer rows."""
         im._require_fitted()
-        self.im, self.factors, self.plan = im, factors, plan
+        self.im, self.plan = im, plan
         self.scoring = factors is not None
-        self._rows: Rows | None = None
+        self.factors = factors if isinstance(factors, torch.Tensor) else None
+        self._rows: Rows | None = factors if isinstance(factors, Rows) else None
         self._sketch_rows: Rows | None = None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -31,7 +31,7 @@ from ..refs import DataRef, ModelRef, ScoresRef, StageRef
 from ..specs import CandidatesSpec, ComputeSpec, MethodSpec
 from ..threads import TASK_THREADS, torch_threads
 from ..work import Work
-from .loading import load_influence_model, load_model, open_data
+from .loading import load_influence_model, load_model, open_data, read_factors
 from .stage import StageCall, StageLocation
 from .store import RunStore
 
@@ -64,11 +64,10 @@ class _Worker:
 
     def __init__(self, job: CandidateJob) -> None:
         self.im: InfluenceFunctionModel = load_influence_model(job.method, job.model, job.data, job.curvature, job.options)
-        factors = torch.from_numpy(np.asarray(storage.open_array(job.factors.url, job.options)[:])).to(self.im.objective.space.device)
-        self.scorer = Scorer(self.im, factors, None)
-        self.candidates = _load_npy(job.path("candidates.npy"), job.options)
         arrays = open_data(job.data, job.options)
         self.x, self.y = arrays["x_train"], arrays["y_train"]
+        self.scorer = Scorer(self.im, read_factors(self.im, job.factors.url, job.options, self.x, self.y), None)
+        self.candidates = _load_npy(job.path("candidates.npy"), job.options)
 
 
 _WORKERS: dict[str, _Worker] = {}

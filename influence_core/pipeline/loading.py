@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import storage
 from ..batches import ArrayBatches, Batches, TensorBatches
+from ..contraction import Rows, stream_rows
 from ..methods import InfluenceFunctionModel
 from ..models import load_into, load_state
 from ..refs import DataRef, ModelRef, StageRef
@@ -60,3 +61,16 @@ def load_influence_model(
     im = method.build(load_model(model, options), ModelSpec.model_validate(model.spec).loss)
     state = load_state(curvature.url, options, field="preconditioner")
     return im.load_state_dict(state, train=train_batches(data, options, method.batch_size))
+
+
+def read_factors(im: InfluenceFunctionModel, url: str, options: dict[str, Any], x_train: zarr.Array, y_train: zarr.Array) -> torch.Tensor | Rows:
+    """The stored query factors as a scorer takes them: for methods that contract, per-layer rows filled one stored
+    chunk at a time (a worker holds the factors once, never also as a flat copy); else the flat matrix."""
+    array = storage.open_array(url, options)
+    device = im.objective.space.device
+    if not im.contracts():
+        return torch.from_numpy(np.asarray(array[:])).to(device)
+    split = im.gradient_split(torch.from_numpy(np.asarray(x_train[:8])), torch.from_numpy(np.asarray(y_train[:8])))
+    step = array.chunks[0]
+    blocks = ((lo, torch.from_numpy(np.asarray(array[lo : lo + step])).to(device)) for lo in range(0, array.shape[0], step))
+    return stream_rows(blocks, array.shape[0], split, im.row_order, im.query_rank)

@@ -33,7 +33,7 @@ from ..specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec
 from ..threads import TASK_THREADS, torch_threads
 from ..work import Work
 from . import candidates as candidate_stage
-from .loading import load_influence_model, open_data, save_tensors
+from .loading import load_influence_model, open_data, read_factors, save_tensors
 from .stage import StageCall, StageLocation
 from .store import RunStore
 
@@ -62,11 +62,10 @@ class _Scorer:
 
     def __init__(self, job: ScoreJob) -> None:
         self.im: InfluenceFunctionModel = load_influence_model(job.method, job.model, job.data, job.curvature, job.options)
-        factors = torch.from_numpy(np.asarray(storage.open_array(job.factors.url, job.options)[:])).to(self.im.objective.space.device)
-        plan = plan_from_state(load_state(job.plan_url, job.options, field="self_influence_plan"))
-        self.scorer = Scorer(self.im, factors, plan)
         arrays = open_data(job.data, job.options)
         self.x, self.y = arrays["x_train"], arrays["y_train"]
+        plan = plan_from_state(load_state(job.plan_url, job.options, field="self_influence_plan"))
+        self.scorer = Scorer(self.im, read_factors(self.im, job.factors.url, job.options, self.x, self.y), plan)
         group = storage.open_group(job.influence_url, job.options, mode="a")
         self.scores = group["scores"]
         self.self_influence = group["self_influence"] if plan is not None else None

@@ -10,7 +10,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from influence_core import DirectInfluence, EkfacInfluence, IdentityInfluence
-from influence_core.contraction import SMALL_LAYER_BYTES, GradientSplit, LayerRows, contract_layer, low_rank_rows
+from influence_core.contraction import SMALL_LAYER_BYTES, GradientSplit, LayerRows, contract_layer, factor_rows, low_rank_rows, stream_rows
+from influence_core.methods.scorer import Scorer
 from influence_core.work import Work
 
 torch.manual_seed(0)
@@ -173,3 +174,26 @@ def test_shared_layer_keeps_vmap_gradients():
     assert [c.layer.name for c in split.cuts] == ["head"] and split.rest is not None
     factors = im.influence_factors(x[:5], y[:5])
     torch.testing.assert_close(im.influences_from_factors(factors, x, y), factors @ explicit_gradients(model, x, y).T, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "tokens"])
+@pytest.mark.parametrize("kind", ["identity", "rank2", "ekfac"])
+def test_rows_streamed_block_by_block_equal_rows_of_the_whole_matrix(name, kind):
+    """Workers fill per-layer rows from stored chunks of query factors; uneven blocks (4, 4, 2 rows) give exactly
+    the rows built from the whole flat matrix, dense or rank-r, in parameter or eigenbasis order, with the rest."""
+    model, x, y = problems()[name]
+    im = (EkfacInfluence(model, "cross_entropy", 1e-2, fisher="exact", batch_size=16) if kind == "ekfac"
+          else IdentityInfluence(model, "cross_entropy", batch_size=16, query_rank=2 if kind == "rank2" else None)).fit((x[:30], y[:30]))
+    flat = im.influence_factors(x[30:], y[30:])
+    split = im.gradient_split(x, y)
+    whole = factor_rows(flat, split, im.row_order, im.query_rank)
+    streamed = stream_rows(((lo, flat[lo : lo + 4]) for lo in range(0, 10, 4)), 10, split, im.row_order, im.query_rank)
+    assert whole.layers.keys() == streamed.layers.keys() and streamed.count == 10
+    for layer, rows in whole.layers.items():
+        for part in ("dense", "left", "right"):
+            expected, got = getattr(rows, part), getattr(streamed.layers[layer], part)
+            assert (expected is None and got is None) or (torch.equal(expected, got) and got.is_contiguous())
+    assert (whole.rest is None and streamed.rest is None) or torch.equal(whole.rest, streamed.rest)
+    assert (streamed.rest is not None) == (name == "tokens" and kind != "ekfac")  # EK-FAC covers Linear/Conv2d only
+    assert kind != "rank2" or any(rows.rank == 2 for rows in streamed.layers.values())
+    torch.testing.assert_close(im.influences_from_factors(flat, x[:30], y[:30]), Scorer(im, streamed, None)(x[:30], y[:30])[0], rtol=0, atol=0)
