@@ -8,6 +8,7 @@ import torch
 from ..batches import BatchSampler
 from ..blocks import BlockCurvature
 from ..errors import NumericalError
+from ..reduction import pairwise_sum
 from .base import BlockSolver, InfluenceFunctionModel
 
 
@@ -43,18 +44,15 @@ class LissaSolver(BlockSolver):
 
     def repeat(self, features: torch.Tensor, index: int) -> torch.Tensor:
         """Repeat `index`'s term of the average, h / (T·s), from batches of its own seed: repeats are independent
-        of each other and of where they run, so FastIF's parallel recipe (repeats spread over workers, summed in
-        order) gives the same bits as this process."""
+        of each other and of where they run, so FastIF's parallel recipe (repeats spread over workers, added in the
+        same pairwise tree) gives the same bits as this process."""
         h = self._one_run(features, BatchSampler(self.curvature.data, self.batch_size, repeat_seed(self.seed, index)))
         self.curvature.work.solves += len(features) if index == 0 else 0  # one solve per right-hand side, however many repeats
         self.curvature.work.solver_iterations += self.iterations[-1]
         return h / (self.repeats * self.scale)
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
-        total = self.repeat(features, 0)
-        for index in range(1, self.repeats):
-            total = total + self.repeat(features, index)
-        return total
+        return pairwise_sum((self.repeat(features, index) for index in range(self.repeats)), torch.add)
 
 
 def repeat_seed(seed: int, index: int) -> int:
@@ -95,7 +93,7 @@ class LissaInfluence(InfluenceFunctionModel):
         return self.options[1]
 
     def repeat_factors(self, x: torch.Tensor, y: torch.Tensor, index: int) -> torch.Tensor:
-        """Repeat `index`'s term of the dense query factors (n_test, p'); the terms of repeats 0..T-1, summed in
-        order, are the dense factors: one Dask task per repeat in the pipeline (FastIF's parallel s_test)."""
+        """Repeat `index`'s term of the dense query factors (n_test, p'); the terms of repeats 0..T-1, added in
+        `pairwise_sum`'s tree, are the dense factors: one Dask task per repeat in the pipeline (FastIF's parallel s_test)."""
         features = self.gradient_features(x, y)
         return self._per_block(features, self._feature_slices(), lambda solver, f: solver.repeat(f, index))

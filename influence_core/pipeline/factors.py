@@ -12,6 +12,7 @@ import torch
 
 from .. import storage
 from ..methods import LissaInfluence
+from ..reduction import summed_tasks
 from ..refs import DataRef, ModelRef, StageRef
 from ..specs import ComputeSpec, MethodSpec
 from ..threads import TASK_THREADS, torch_threads
@@ -47,21 +48,18 @@ def lissa_repeat(method: MethodSpec, model: ModelRef, data: DataRef, curvature: 
         return im.repeat_factors(x, y, index).cpu().numpy(), im.work.as_dict()
 
 
+def _add_terms(a: tuple[np.ndarray, dict[str, float]], b: tuple[np.ndarray, dict[str, float]]) -> tuple[np.ndarray, dict[str, float]]:
+    """Two partial sums of repeat terms, with the work they counted."""
+    return a[0] + b[0], {name: a[1][name] + b[1][name] for name in a[1]}
+
+
 def _lissa_dense(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, options: dict[str, Any], client_factory: Callable[[], Any] | None) -> tuple[np.ndarray, Work]:
-    """FastIF's parallel s_test: the T repeats as tasks with their own seeds, summed here in repeat order."""
-    repeats = range(getattr(method, "repeats"))
-    work = Work()
+    """FastIF's parallel s_test: the T repeats as tasks with their own seeds, added in the pairwise tree of the
+    library's own sum (`reduction.py`), so every cluster kind and the library give the same bits."""
+    calls = [(method, model, data, curvature, options, index) for index in range(getattr(method, "repeats"))]
     with client_factory() if client_factory is not None else nullcontext() as client:
-        if client is None:
-            results = [lissa_repeat(method, model, data, curvature, options, index) for index in repeats]
-        else:
-            results = client.gather(client.map(lissa_repeat, *([arg] * len(repeats) for arg in (method, model, data, curvature, options)), list(repeats), pure=False, retries=2))
-    total = results[0][0]
-    for term, _ in results[1:]:
-        total = total + term
-    for _, counted in results:
-        work += Work(**counted)
-    return total, work
+        total, counted = summed_tasks(client, lissa_repeat, calls, _add_terms)
+    return total, Work(**counted)
 
 
 def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, loc: StageLocation, client_factory: Callable[[], Any] | None) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from influence_core.pipeline.preconditioner import FACTOR_ROWS, factor_blocks
 
@@ -17,3 +18,31 @@ def test_factor_blocks_cover_the_rows_in_equal_blocks(n):
     assert len(blocks) == math.ceil(n / FACTOR_ROWS)
     sizes = [hi - lo for lo, hi in blocks]
     assert max(sizes) <= FACTOR_ROWS and max(sizes) - min(sizes) <= 1
+
+
+def test_block_sums_added_on_the_cluster_equal_those_added_here(tmp_path, dask_address, monkeypatch):
+    """EK-FAC's factor and correction passes over 10 blocks (FACTOR_ROWS = 64 for 600 rows), added as merge tasks
+    on a real LocalCluster and one by one here: the same pairwise tree, so the same bits; and close to the
+    library's single pass over all rows (another order of additions)."""
+    from distributed import Client
+
+    from influence_core.pipeline import prepare, preconditioner, training
+    from influence_core.pipeline.loading import load_model, train_batches
+    from tests.helpers import small_params
+
+    monkeypatch.setattr(preconditioner, "FACTOR_ROWS", 64)
+    params = small_params(str(tmp_path / "run"), dataset={"n_train": 600, "n_test": 8, "chunk_rows": 128}, method={"name": "ekfac", "regularization": 1e-3, "fisher": "sampled"})
+    store = params.store()
+    data = prepare.run(params.dataset, store)
+    model = training.run(params.model, params.training, data, store, 1)
+    assert len(preconditioner.factor_blocks(data.n_train)) == 10
+    job = preconditioner.FactorJob(params.method, model, data, store.options)
+    here = preconditioner.kronecker_factors(job.influence_model(), job, None)
+    with Client(dask_address) as client:
+        there = preconditioner.kronecker_factors(job.influence_model(), job, client)
+    library = params.method.build(load_model(model, store.options), "cross_entropy").fit_factors(train_batches(data, store.options, params.method.batch_size))
+    assert here.keys() == there.keys() == library.keys() and len(here) == 2
+    for block, values in here.items():
+        for key, value in values.items():
+            assert value.dtype == torch.float64 and torch.equal(value, there[block][key]), f"{block}/{key}"
+        torch.testing.assert_close(values["eigenvalues"], library[block]["eigenvalues"], rtol=1e-5, atol=1e-9)
