@@ -40,7 +40,7 @@ def chunk_rows(block: int, row_bytes: int) -> int:
 
 
 def write_rows(array: zarr.Array, lo: int, rows: np.ndarray) -> None:
-    """Rows lo.. of a row-chunked array, one stored chunk per call: zarr then encodes each block as it is, where a
+    """Rows lo.. of a row-chunked array, one stored chunk per call: zarr then encodes each chunk as given, where a
     write spanning chunks first copies every chunk into a fresh buffer filled with the fill value."""
     step = array.chunks[0]
     for start in range(0, len(rows), step):

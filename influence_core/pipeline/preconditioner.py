@@ -72,7 +72,7 @@ def correction_chunk(job: FactorJob, lo: int, hi: int, bases: dict[str, Any]) ->
 
 def _block_sums(client: Client | None, fn: Callable[..., Sums], job: FactorJob, **shared: Any) -> Sums:
     """The blocks' sums added in one pairwise tree (`reduction.py`): the same order on every cluster kind, and the
-    driver holds the total only, not every block's sums (245 × ~34 MB for a million rows of W3's model)."""
+    driver holds the total only, not every block's sums (for W3's model ~37 MB per block: 245 blocks for a million rows)."""
     if client is not None and shared:
         shared = {name: client.scatter(value, broadcast=True) for name, value in shared.items()}
     return summed_tasks(client, fn, [(job, lo, hi) for lo, hi in factor_blocks(job.data.n_train)], merge, shared)
