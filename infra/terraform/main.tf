@@ -8,7 +8,8 @@ provider "prefect" {
 locals {
   entrypoint = "flows/influence_run.py:influence_run"
 
-  # Parameters for the stack in this folder: Dask reached by address, results in an S3-compatible store.
+  # Parameters for the stack in this folder, one flow parameter per section; Prefect merges a run's parameters into
+  # these section by section. Dask is reached by address, results go to an S3-compatible store.
   # Credentials are never parameters: workers take AWS_* from their environment.
   stack_params = {
     compute = {
@@ -40,6 +41,7 @@ resource "prefect_work_pool" "influence" {
   type              = "process"
   description       = "Influence runs, executed as subprocesses of a worker built from the project image."
   paused            = false
+  concurrency_limit = 2
   base_job_template = data.prefect_worker_metadata.defaults.base_job_configs.process
 }
 
@@ -57,11 +59,10 @@ resource "prefect_deployment" "nightly" {
   work_queue_name          = "default"
   enforce_parameter_schema = true
   parameter_openapi_schema = local.parameter_schema
-  parameters = jsonencode({
-    params = merge(local.stack_params, { output_url = "${var.results_prefix}/nightly" })
-  })
-  pull_steps = local.pull_steps
-  tags       = ["influence", "nightly"]
+  parameters               = jsonencode(merge(local.stack_params, { output_url = "${var.results_prefix}/nightly" }))
+  concurrency_limit        = 1
+  pull_steps               = local.pull_steps
+  tags                     = ["influence", "nightly"]
 }
 
 resource "prefect_deployment_schedule" "nightly" {
@@ -80,9 +81,8 @@ resource "prefect_deployment" "on_demand" {
   work_queue_name          = "default"
   enforce_parameter_schema = true
   parameter_openapi_schema = local.parameter_schema
-  parameters = jsonencode({
-    params = merge(local.stack_params, { output_url = "${var.results_prefix}/on-demand" })
-  })
-  pull_steps = local.pull_steps
-  tags       = ["influence", "on-demand"]
+  parameters               = jsonencode(merge(local.stack_params, { output_url = "${var.results_prefix}/on-demand" }))
+  concurrency_limit        = 2
+  pull_steps               = local.pull_steps
+  tags                     = ["influence", "on-demand"]
 }

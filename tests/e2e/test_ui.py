@@ -60,7 +60,7 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     with SyncPrefectClient(api=deployed["PREFECT_API_URL"]) as client:
-        mine = [r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))) if r.parameters["params"].get("output_url") == str(output)]
+        mine = [r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))) if r.parameters.get("output_url") == str(output)]
         assert len(mine) == 1, "the form did not create exactly one run with the edited parameters"
         flow_run_id = mine[0].id
         deadline = time.time() + 600
@@ -68,7 +68,7 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
             assert time.time() < deadline, "the run from the UI did not finish"
             time.sleep(1)
     assert run.state.is_completed(), f"{run.state}: {open(deployed['WORKER_LOG']).read()[-3000:]}"
-    assert run.parameters["params"]["aggregate"]["top_k"] == 7 and run.parameters["params"]["dataset"]["n_train"] == 300
+    assert run.parameters["aggregate"]["top_k"] == 7 and run.parameters["dataset"]["n_train"] == 300
 
     page.goto(f"{ui}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
     page.get_by_text("Completed").first.wait_for(timeout=30_000)

@@ -410,29 +410,31 @@ def test_terraform_nightly_schedule_is_cron(tf: dict[str, Any]) -> None:
 
 
 def test_terraform_parameter_schema_matches_the_flow() -> None:
-    """The stored schema equals what Prefect derives from influence_run(params: RunParameters); regenerate with
-    infra/terraform/update_parameter_schema.py. (Pydantic's schema with Prefect's ref template is what Prefect emits,
-    without importing Prefect here.)"""
+    """The stored schema equals what `prefect deploy` derives from influence_run (one parameter per section);
+    regenerate with infra/terraform/update_parameter_schema.py."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.influence_run import influence_run
     from flows.parameters import RunParameters
 
     stored = json.loads((TERRAFORM / "flow_parameter_schema.json").read_text())
-    top = RunParameters.model_json_schema(ref_template="#/definitions/{model}")
-    definitions = top.pop("$defs", {})
-    definitions["RunParameters"] = top
-    expected = {
-        "title": "Parameters",
-        "type": "object",
-        "properties": {
-            "params": {
-                "$ref": "#/definitions/RunParameters",
-                "default": RunParameters().model_dump(mode="json"),
-                "position": 0,
-                "title": "params",
-            }
-        },
-        "definitions": definitions,
-    }
-    assert stored == expected, "flow_parameter_schema.json is stale: run infra/terraform/update_parameter_schema.py"
+    assert set(stored["properties"]) == set(RunParameters.model_fields)
+    assert stored == json.loads(json.dumps(parameter_schema(influence_run).model_dump_for_openapi())), "flow_parameter_schema.json is stale: run infra/terraform/update_parameter_schema.py"
+
+
+def test_terraform_and_prefect_yaml_describe_the_same_deployments(tf: dict[str, Any]) -> None:
+    """Tags and concurrency limits agree between the two ways of deploying; parameters are sections, not `params`."""
+    from flows.parameters import RunParameters
+
+    from_yaml = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    from_tf = {d["name"]: d for d in labelled(tf, "resource", "prefect_deployment").values()}
+    assert set(from_yaml) == set(from_tf)
+    for name, d in from_tf.items():
+        assert d["tags"] == from_yaml[name]["tags"], name
+        assert d["concurrency_limit"] == from_yaml[name]["concurrency_limit"] >= 1, name
+        assert set(from_yaml[name]["parameters"]) <= set(RunParameters.model_fields), name
+        assert "jsonencode(merge(local.stack_params" in d["parameters"] and "params =" not in d["parameters"], name
+    assert [p["concurrency_limit"] for p in labelled(tf, "resource", "prefect_work_pool").values()] == [2]
 
 
 def test_terraform_fmt() -> None:
@@ -516,3 +518,4 @@ def test_dask_gpu_worker_group(dask_docs: list[dict[str, Any]]) -> None:
     for container in gpu_containers:
         assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
         assert container["image"].endswith("-gpu"), container["image"]
+

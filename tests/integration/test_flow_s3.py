@@ -24,7 +24,7 @@ def s3_run(s3_endpoint, dask_address):
         storage={"endpoint_url": s3_endpoint},
         compute={"cluster": "address", "address": dask_address, "train_chunk_rows": 64},
     )
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     store = params.store()
     group, arrays = read_outputs(store)
     return params, summary, store, group, arrays
@@ -91,11 +91,11 @@ def test_attrs_carry_config_without_secrets(s3_run):
 def test_missing_bucket_names_bucket_and_endpoint(s3_endpoint):
     params = small_params("s3://no-such-bucket/run", storage={"endpoint_url": s3_endpoint})
     with pytest.raises(ConfigError, match=rf"output_url: S3 bucket 'no-such-bucket' does not exist at {s3_endpoint}"):
-        influence_run(params)
+        influence_run(**params.sections())
 
 
 def test_top_k_above_n_train_fails_before_training(tmp_path):
     params = small_params(str(tmp_path / "run"), dataset={"n_train": 30, "n_test": 5}, aggregate={"top_k": 31})
     with pytest.raises(ConfigError, match="aggregate.top_k"):
-        influence_run(params)
+        influence_run(**params.sections())
     assert not (tmp_path / "run" / "stages" / "fit_model").exists()

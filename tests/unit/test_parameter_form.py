@@ -36,3 +36,19 @@ def test_methods_and_cluster_kinds_are_choices():
     names = sorted(defs[v["$ref"].split("/")[-1]]["properties"]["name"]["const"] for v in schema["properties"]["method"]["anyOf"])
     assert names == ["arnoldi", "cg", "datainf", "direct", "ekfac", "identity", "kfac", "lissa", "nystroem"]
     assert defs["ClusterKind"]["enum"] == ["local", "cuda", "address", "sequential"]
+
+
+def test_the_flow_takes_one_parameter_per_section():
+    """influence_run's parameters are RunParameters' fields, with the same defaults, so a deployment's defaults
+    and a run's parameters merge per section; from_sections and sections() are inverse."""
+    import inspect
+
+    from flows.influence_run import influence_run
+
+    signature = inspect.signature(influence_run.fn).parameters
+    assert list(signature) == list(RunParameters.model_fields)
+    defaults = RunParameters()
+    assert {name: p.default for name, p in signature.items()} == defaults.sections()
+    params = RunParameters.model_validate({"output_url": "runs/x", "method": {"name": "cg"}, "aggregate": {"top_k": 3}})
+    again = RunParameters.from_sections(**params.sections())
+    assert again == params and again.method is not params.method
