@@ -519,3 +519,65 @@ def test_dask_gpu_worker_group(dask_docs: list[dict[str, Any]]) -> None:
         assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
         assert container["image"].endswith("-gpu"), container["image"]
 
+
+# ---------------------------------------------------------------------------------------------- public schemas
+# tests/infra/schemas/ holds the published schemas (see its README): the dask-kubernetes operator's CRDs and the
+# prefect-worker chart's values.schema.json, so that the manifests are checked as the API server / helm would.
+SCHEMAS = Path(__file__).with_name("schemas")
+
+
+def crd_schemas() -> dict[str, dict[str, Any]]:
+    """kind -> the openAPIV3Schema of its served version, from the stored CRDs."""
+    schemas = {}
+    for path in SCHEMAS.glob("*.crd.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        (version,) = [v for v in crd["spec"]["versions"] if v["served"]]
+        schemas[crd["spec"]["names"]["kind"]] = version["schema"]["openAPIV3Schema"]
+    return schemas
+
+
+def schema_errors(schema: dict[str, Any], doc: Any) -> list[str]:
+    import jsonschema
+
+    return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+
+
+def test_dask_manifests_match_the_operator_crds(dask_docs: list[dict[str, Any]]) -> None:
+    schemas = crd_schemas()
+    assert {"DaskCluster", "DaskWorkerGroup"} <= set(schemas)
+    for doc in dask_docs:
+        assert not schema_errors(schemas[doc["kind"]], doc), (doc["kind"], schema_errors(schemas[doc["kind"]], doc))
+    # the check bites: a GPU count as a YAML integer is what the CRD refuses (resource quantities are strings)
+    group = next(d for d in dask_docs if d["kind"] == "DaskWorkerGroup")
+    broken = json.loads(json.dumps(group))
+    broken["spec"]["worker"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 1
+    assert any("nvidia.com/gpu: 1 is not of type 'string'" in e for e in schema_errors(schemas["DaskWorkerGroup"], broken))
+
+
+def test_helm_worker_values_match_the_chart_schema(worker_values: dict[str, Any]) -> None:
+    schema = json.loads((SCHEMAS / "prefect-worker.values.schema.json").read_text())
+    assert not schema_errors(schema, worker_values), schema_errors(schema, worker_values)
+    assert schema_errors(schema, {**worker_values, "worker": {**worker_values["worker"], "replicaCount": "two"}})
+
+
+def test_image_user_owns_the_source_directory() -> None:
+    """The image runs as UID 1001 and writes beside the source (runs/, caches): the directory and the copied files
+    are that user's."""
+    _, stages = dockerfile_stages()
+    base = " ".join(stages["base"])
+    workdir = re.search(r"WORKDIR (\S+)", base)[1]  # type: ignore[index]
+    assert re.search(rf"install -d -o 1001 -g 1001 {re.escape(workdir)}(\s|$)", base), "WORKDIR is created by root"
+    for name in ("cpu", "gpu"):
+        copies = [line for line in stages[name] if line.startswith("COPY")]
+        assert copies and all(line.startswith("COPY --chown=1001:1001 ") for line in copies), name
+        assert stages[name].index("USER 1001") > max(stages[name].index(c) for c in copies), name
+
+
+def test_compose_needs_v2_and_is_deployed_with_terraform() -> None:
+    """The top-level `name:` is a Compose v2 key, and prefect.yaml is for `make serve` (host paths, local Dask):
+    the compose stack's deployments come from Terraform."""
+    assert "name" in yaml.safe_load(COMPOSE_FILE.read_text())
+    header = COMPOSE_FILE.read_text().split("\nname:")[0]
+    readme = (INFRA / "README.md").read_text()
+    assert "Compose v2" in header and "Compose v2" in readme
+    assert "prefect deploy --all" not in readme.split("## Single machine (compose)")[1].split("\n## ")[0]
