@@ -1,6 +1,9 @@
-"""The influence flow: six cached, retryable stages from dataset to top-k, on a Dask cluster, into Zarr."""
+"""The influence flow: six cached, retryable stages from dataset to top-k, on a Dask cluster, into Zarr.
 
-from __future__ import annotations
+No `from __future__ import annotations` here: `serve()` runs the flow from a pickled copy of the function, which
+carries the globals its code uses but not names that appear only in string annotations, and Prefect validates the
+parameters against those annotations.
+"""
 
 import time
 from datetime import datetime, timezone
@@ -106,4 +109,4 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     publish.begin_run(store, fingerprint, params.overwrite)  # only now is influence.zarr touched: bad input found earlier leaves it as it was
     scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, curvature=curvature, factors=factors, store=store, candidates=params.candidates)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
-    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate.report_queries)
+    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate)
