@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -15,6 +16,7 @@ from influence_core import storage
 pytestmark = pytest.mark.e2e
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "prefect-ui-custom-run.png"
+REPORT_SCREENSHOT = "prefect-ui-report-artifact.png"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
@@ -50,8 +52,8 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
     page.wait_for_load_state("networkidle")
 
     output = tmp_path / "ui-run"
-    property_input(page, "Output URL (Optional)", "textarea").fill(str(output))
-    property_input(page, "Training examples (Optional)", "button:has-text('int')").click()
+    assert page.get_by_text('Property is type "None"').count() == 0  # optional numbers are plain inputs, no type switch
+    property_input(page, "output_url (Optional)", "textarea").fill(str(output))
     property_input(page, "Training examples (Optional)", "input[type=number]").fill("300")
     property_input(page, "Top k (Optional)", "input[type=number]").fill("7")
     page.get_by_role("button", name="Submit").click()
@@ -72,10 +74,23 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
 
     page.goto(f"{ui}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
     page.get_by_text("Completed").first.wait_for(timeout=30_000)
-    # The README's screenshot is refreshed with INFLUENCE_UPDATE_DOCS=1; otherwise it goes to the test's tmp dir.
-    shot = SCREENSHOT if os.environ.get("INFLUENCE_UPDATE_DOCS") == "1" else tmp_path / SCREENSHOT.name
-    page.screenshot(path=str(shot))
-    assert shot.stat().st_size > 10_000
+    # The README's screenshots are refreshed with INFLUENCE_UPDATE_DOCS=1; otherwise they go to the test's tmp dir.
+    shots = SCREENSHOT.parent if os.environ.get("INFLUENCE_UPDATE_DOCS") == "1" else tmp_path
+    page.screenshot(path=str(shots / SCREENSHOT.name))
+    assert (shots / SCREENSHOT.name).stat().st_size > 10_000
+
+    # the report: an image artifact of the run, rendered by the UI from the browser (the PNG is inline, so it shows
+    # whether the output is on the worker's disk or in a bucket the browser cannot reach)
+    with SyncPrefectClient(api=deployed["PREFECT_API_URL"]) as client:
+        (report,) = [a for a in client.read_artifacts() if a.flow_run_id == flow_run_id and a.key == "influence-report"]
+        (table,) = [a for a in client.read_artifacts() if a.flow_run_id == flow_run_id and a.key == "influence-topk"]
+    assert report.type == "image" and report.data.startswith("data:image/png;base64,")
+    assert {"helpful_7", "harmful_7"} <= set(json.loads(table.data)[0]) and "helpful_8" not in json.loads(table.data)[0]
+    page.goto(f"{ui}/artifacts/artifact/{report.id}", wait_until="networkidle")
+    image = page.locator("img[src^='data:image/png']").first
+    image.wait_for(timeout=30_000)
+    assert image.evaluate("img => img.complete && img.naturalWidth") > 300  # decoded and drawn, not a broken image
+    page.screenshot(path=str(shots / REPORT_SCREENSHOT), full_page=True)
     group = storage.open_group(str(output / "influence.zarr"), {}, mode="r")
     assert group.attrs["status"] == "complete"
     assert np.asarray(group["topk_helpful_indices"][...]).shape[1] == 7
