@@ -86,3 +86,44 @@ resource "prefect_deployment" "on_demand" {
   pull_steps               = local.pull_steps
   tags                     = ["influence", "on-demand"]
 }
+
+# Failed runs are posted to a webhook, as `python -m flows.service` does for `make serve`: a custom-webhook
+# notification block (its data write-only, so the URL stays out of the state) and an automation on
+# prefect.flow-run.Failed of the flow influence-run. Subject and body match flows/service.py (checked by tests/infra).
+resource "prefect_block" "failure_webhook" {
+  count     = var.failure_webhook_url == null ? 0 : 1
+  name      = "influence-failure-webhook"
+  type_slug = "custom-webhook"
+  data_wo = jsonencode({
+    name               = "influence-run failed"
+    url                = var.failure_webhook_url
+    json_data          = { subject = "{{subject}}", body = "{{body}}" }
+    allow_private_urls = true
+  })
+  data_wo_version = 1
+}
+
+resource "prefect_automation" "failed_runs" {
+  count       = var.failure_webhook_url == null ? 0 : 1
+  name        = "influence-run failed"
+  description = "Posts every failed influence-run flow run to the webhook of the block influence-failure-webhook."
+  enabled     = true
+  trigger = {
+    event = {
+      posture       = "Reactive"
+      match         = jsonencode({ "prefect.resource.id" = "prefect.flow-run.*" })
+      match_related = jsonencode({ "prefect.resource.role" = "flow", "prefect.resource.name" = "influence-run" })
+      expect        = ["prefect.flow-run.Failed"]
+      threshold     = 1
+      within        = 0
+    }
+  }
+  actions = [
+    {
+      type              = "send-notification"
+      block_document_id = prefect_block.failure_webhook[0].id
+      subject           = "influence-run failed: {{ flow_run.name }}"
+      body              = "Flow run {{ flow_run.name }} ({{ flow_run.id }}) ended {{ flow_run.state.name }}: {{ flow_run.state.message }}"
+    },
+  ]
+}

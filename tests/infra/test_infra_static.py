@@ -437,6 +437,24 @@ def test_terraform_and_prefect_yaml_describe_the_same_deployments(tf: dict[str, 
     assert [p["concurrency_limit"] for p in labelled(tf, "resource", "prefect_work_pool").values()] == [2]
 
 
+def test_terraform_failure_notification_matches_the_service_module(tf: dict[str, Any]) -> None:
+    """Terraform's automation on failed runs is flows/service.py's: same names, trigger, subject and body, posting
+    through a custom-webhook block whose URL is a sensitive variable kept out of the state (data_wo)."""
+    from flows import service
+
+    (block,) = labelled(tf, "resource", "prefect_block").values()
+    (automation,) = labelled(tf, "resource", "prefect_automation").values()
+    assert block["name"] == service.BLOCK and block["type_slug"] == "custom-webhook" and "data_wo" in block and "data" not in block
+    assert "var.failure_webhook_url" in block["data_wo"] and labelled(tf, "variable")["failure_webhook_url"]["sensitive"] is True
+    assert automation["name"] == service.AUTOMATION
+    event = automation["trigger"]["event"]
+    assert event["expect"] == ["prefect.flow-run.Failed"] and event["posture"] == "Reactive" and event["threshold"] == 1
+    assert '"prefect.resource.name" = "influence-run"' in event["match_related"]
+    (action,) = automation["actions"]
+    assert action["type"] == "send-notification" and action["block_document_id"] == "${prefect_block.failure_webhook[0].id}"
+    assert (action["subject"], action["body"]) == (service.SUBJECT, service.BODY)
+
+
 def test_terraform_fmt() -> None:
     terraform = shutil.which("terraform")
     if terraform is None:
