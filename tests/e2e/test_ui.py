@@ -17,6 +17,7 @@ pytestmark = pytest.mark.e2e
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "prefect-ui-custom-run.png"
 REPORT_SCREENSHOT = "prefect-ui-report-artifact.png"
+CONTAINER = "xpath=ancestor::*[contains(concat(' ', normalize-space(@class), ' '), ' p-label ')][1]"  # a form property
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
@@ -34,8 +35,7 @@ def browser():  # type: ignore[no-untyped-def]
 
 def property_input(page, label: str, selector: str):  # type: ignore[no-untyped-def]
     """The input of the form property whose label reads `label`."""
-    container = "xpath=ancestor::*[contains(concat(' ', normalize-space(@class), ' '), ' p-label ')][1]"
-    return page.get_by_text(label, exact=True).locator(container).locator(selector).first
+    return page.get_by_text(label, exact=True).locator(CONTAINER).locator(selector).first
 
 
 def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
@@ -52,10 +52,14 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
     page.wait_for_load_state("networkidle")
 
     output = tmp_path / "ui-run"
-    assert page.get_by_text('Property is type "None"').count() == 0  # optional numbers are plain inputs, no type switch
     property_input(page, "output_url (Optional)", "textarea").fill(str(output))
     property_input(page, "Training examples (Optional)", "input[type=number]").fill("300")
     property_input(page, "Top k (Optional)", "input[type=number]").fill("7")
+    # the form is drawn: optional numbers and strings are inputs left blank, not the UI's type switch set to None;
+    # the one switch left is a real choice, the gradient projection (none, or a Projection's settings)
+    none_switch = 'Property is type "None"'
+    projection = page.get_by_text("Gradient projection (Optional)", exact=True).locator(CONTAINER)
+    assert page.get_by_text(none_switch).count() == projection.get_by_text(none_switch).count() == 1
     page.get_by_role("button", name="Submit").click()
     page.wait_for_url(re.compile(r".*/deployments/deployment/[0-9a-f-]+(\?tab=Runs)?$"), timeout=60_000)  # back on the deployment
 
