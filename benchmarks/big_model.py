@@ -108,7 +108,7 @@ def scale(out: str) -> list[str]:
     )
     with PeakRSS() as memory:
         start = time.perf_counter()
-        summary = influence_run(params)
+        summary = influence_run(**params.sections())
         wall = time.perf_counter() - start
     p = sum(w * h + h for w, h in zip([FEATURES, *HIDDEN], [*HIDDEN, 10]))
     rows = [

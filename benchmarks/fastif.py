@@ -70,7 +70,7 @@ def run(base: dict[str, Any], root: Path, name: str, method: dict[str, Any], knn
         "storage": {"cache_url": str(root / "cache")},
     }
     params = RunParameters.model_validate(config)
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     group = storage.open_group(params.store().influence_url, {}, mode="r")
     return summary, {key: np.asarray(group[key][...]) for key in group.array_keys()}
 

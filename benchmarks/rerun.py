@@ -18,7 +18,7 @@ from flows.parameters import RunParameters
 
 def timed(params: RunParameters) -> tuple[float, dict[str, str]]:
     start = time.perf_counter()
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     return time.perf_counter() - start, {name: s["outcome"] for name, s in summary["stages"].items()}
 
 

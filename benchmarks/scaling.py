@@ -57,7 +57,7 @@ def sweep_params(out: str, n_train: int, workers: int = 2, cache: str | None = N
 def timed_run(params: RunParameters) -> tuple[float, int, dict]:
     with PeakRSS() as memory:
         start = time.perf_counter()
-        summary = influence_run(params)
+        summary = influence_run(**params.sections())
         wall = time.perf_counter() - start
     return wall, memory.peak, summary
 
@@ -127,7 +127,7 @@ def pydvl_ratio(root: Path) -> list[str]:
                 "compute": {"cluster": "address", "address": cluster.scheduler_address, "train_chunk_rows": 10_000},
             }
         )
-        summary = influence_run(params)
+        summary = influence_run(**params.sections())
         ours = sum(summary["stages"][s]["seconds"] for s in ("fit_preconditioner", "compute_test_factors", "compute_influences"))
         group = storage.open_group(params.store().influence_url, {}, mode="r")
         data = open_data(DataRef.model_validate(group.attrs["refs"]["prepare_data"]), {})

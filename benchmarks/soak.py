@@ -48,7 +48,7 @@ def main() -> None:
     with prefect_test_harness(server_startup_timeout=120):
         for i in range(1, runs + 1):
             start = time.perf_counter()
-            summary = influence_run(params)
+            summary = influence_run(**params.sections())
             seconds = time.perf_counter() - start
             outcomes = {s["outcome"] for s in summary["stages"].values()}
             rows.append((i, seconds, *sample(process), "+".join(sorted(outcomes))))

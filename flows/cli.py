@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -85,25 +84,12 @@ def print_table(rows: list[QueryRow], title: str) -> None:
     console.print(table)
 
 
-class ConfigErrorWithoutTraceback(logging.Filter):
-    """Prefect logs a failed run's exception with its traceback; for bad input the message says it all."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], ConfigError):
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
 def execute(params: RunParameters) -> None:
     """Run the flow, then print the top-k table and where the outputs are."""
     from .influence_run import influence_run  # imported late: importing prefect is slow, and --help should not be
 
-    for name in ("prefect.flow_runs", "prefect.task_runs"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, ConfigErrorWithoutTraceback) for f in logger.filters):
-            logger.addFilter(ConfigErrorWithoutTraceback())
     try:
-        summary = influence_run(params)
+        summary = influence_run(**params.sections())
     except ConfigError as exc:  # bad input found by the preflight or a stage: one line, no traceback
         raise fail([str(exc)], 1) from None
     _, rows = read_run(params.store(), params.aggregate.report_queries)

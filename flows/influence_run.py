@@ -1,10 +1,13 @@
-"""The influence flow: six cached, retryable stages from dataset to top-k, on a Dask cluster, into Zarr."""
+"""The influence flow: six cached, retryable stages from dataset to top-k, on a Dask cluster, into Zarr.
 
-from __future__ import annotations
+No `from __future__ import annotations` here: `serve()` runs the flow from a pickled copy of the function, which
+carries the globals its code uses but not names that appear only in string annotations, and Prefect validates the
+parameters against those annotations.
+"""
 
 import time
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from prefect import flow, get_run_logger
 from prefect.tasks import Task
@@ -18,11 +21,15 @@ from influence_core.pipeline.runlock import exclusive_run
 from influence_core.pipeline.stage import producer
 from influence_core.pipeline.store import RunStore
 from influence_core.refs import StageRef
+from influence_core.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
 from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data
 from tasks.policy import result_storage
 from tasks.publish import publish_run
 
+from . import refusals
 from .parameters import RunParameters
+
+refusals.install()  # wherever the flow is loaded (CLI, serve, a worker's flow run): refusals log one line, no traceback
 
 R = TypeVar("R", bound=StageRef)
 
@@ -52,9 +59,35 @@ class StageRunner:
         return ref
 
 
+def _described_sections(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Prefect takes a parameter's description in the run form from the docstring's Args: RunParameters' own."""
+    fn.__doc__ = f"{fn.__doc__}\nArgs:\n" + "".join(f"    {name}: {field.description}\n" for name, field in RunParameters.model_fields.items())
+    return fn
+
+
 @flow(name="influence-run", log_prints=True, validate_parameters=True)
-def influence_run(params: RunParameters = RunParameters()) -> dict[str, Any]:
-    """Which training examples made the model predict this? Scores, top-k, self-influence and totals."""
+@_described_sections
+def influence_run(
+    output_url: str = "runs/demo",
+    dataset: DatasetSpec = DatasetSpec(),
+    model: ModelSpec = ModelSpec(),
+    training: TrainingSpec = TrainingSpec(),
+    method: MethodSpec = DirectMethod(),
+    compute: ComputeSpec = ComputeSpec(),
+    aggregate: AggregateSpec = AggregateSpec(),
+    candidates: CandidatesSpec = CandidatesSpec(),
+    storage: StorageSpec = StorageSpec(),
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Which training examples made the model predict this? Scores, top-k, self-influence and totals.
+
+    One parameter per section of RunParameters, so a deployment's defaults and a run's parameters merge section by
+    section (Prefect merges top-level parameters): `--param method='{"name": "cg"}'` keeps the deployment's output_url.
+    """
+    params = RunParameters.from_sections(
+        output_url=output_url, dataset=dataset, model=model, training=training, method=method, compute=compute,
+        aggregate=aggregate, candidates=candidates, storage=storage, overwrite=overwrite,
+    )
     store = params.store()
     preflight(store, params.compute, params.model)  # seconds, before any stage computes or anything is written
     fingerprint = params.run_fingerprint()
@@ -76,4 +109,4 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     publish.begin_run(store, fingerprint, params.overwrite)  # only now is influence.zarr touched: bad input found earlier leaves it as it was
     scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, curvature=curvature, factors=factors, store=store, candidates=params.candidates)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
-    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate.report_queries)
+    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate)

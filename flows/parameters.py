@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from influence_core import storage
 from influence_core.pipeline.store import RunStore
@@ -58,6 +58,23 @@ class RunParameters(BaseModel):
                 "set aggregate.self_influence to auto or off (no self_influence with candidates), or candidates.knn_k to null",
             )
         return self
+
+    @classmethod
+    def from_sections(cls, **sections: Any) -> "RunParameters":
+        """The run of the flow's parameters (one per section, each already valid): a check across sections that
+        fails is raised as its own ConfigError, the one line `field: problem. Fix: ...` a user should read. Sections
+        are copied: the flow's default instances are never shared with a run."""
+        try:
+            return cls.model_validate({name: value.model_copy(deep=True) if isinstance(value, BaseModel) else value for name, value in sections.items()})
+        except ValidationError as exc:
+            causes = [err["ctx"]["error"] for err in exc.errors() if isinstance((err.get("ctx") or {}).get("error"), ConfigError)]
+            if causes:
+                raise causes[0] from None
+            raise
+
+    def sections(self) -> dict[str, Any]:
+        """The flow's keyword arguments: `influence_run(**params.sections())`."""
+        return {name: getattr(self, name) for name in type(self).model_fields}
 
     def store(self) -> RunStore:
         return RunStore(output_url=self.output_url, storage=self.storage)

@@ -32,10 +32,23 @@ from .methods import (
 )
 
 
+def plain_optional(schema: dict[str, Any]) -> None:
+    """An optional scalar or list that defaults to empty is shown in a form as a plain input left blank, not as a
+    choice of types reading 'Property is type "None"': `anyOf: [X, null], default: null` becomes X. Leaving it out
+    still means None (pydantic's default), and JSON Schema validators (Prefect's server) accept a null for a
+    property that is neither required nor has a default."""
+    for prop in schema.get("properties", {}).values():
+        options = prop.get("anyOf", [])
+        kept = [option for option in options if option != {"type": "null"}]
+        if "default" in prop and prop["default"] is None and len(kept) == 1 == len(options) - 1 and "type" in kept[0]:
+            del prop["anyOf"], prop["default"]
+            prop.update(kept[0])
+
+
 class Spec(BaseModel):
     """Base for settings: unknown keys are errors, so a typo never passes silently."""
 
-    model_config = ConfigDict(extra="forbid", use_enum_values=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_enum_values=True, validate_assignment=True, json_schema_extra=plain_optional)
 
 
 # -- dataset -----------------------------------------------------------------------------------------
@@ -351,7 +364,7 @@ S3_ATTEMPTS = 12  # per S3 request, with capped exponential backoff: rides out a
 class StorageSpec(Spec):
     endpoint_url: str | None = Field(None, title="S3 endpoint", description="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (empty: AWS). Credentials come from the environment, never from here.")
     region: str | None = Field(None, title="S3 region", description="Region name for S3.")
-    cache_url: str | None = Field(None, title="Stage cache", description="Where stage outputs (data, model, curvature, factors) are kept; share it between runs to reuse them. Empty: <output_url>/stages.")
+    cache_url: str | None = Field(None, title="Stage cache", description="Where stage outputs (data, model, curvature, factors) are kept; share it between runs to reuse them. Empty: the stages folder under the output URL.")
 
     @field_validator("endpoint_url")
     @classmethod

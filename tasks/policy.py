@@ -15,7 +15,7 @@ from prefect import Task
 from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
-from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
+from prefect.filesystems import RemoteFileSystem, WritableFileSystem
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.settings import PREFECT_HOME
 
@@ -74,12 +74,16 @@ def stage_policy(planner: Callable[..., StageCall[Any]]) -> CachePolicy:
     return StagePolicy(planner=planner).configure(isolation_level="SERIALIZABLE", lock_manager=CrashSafeLockManager(lock_dir))
 
 
-def result_storage(store: RunStore) -> WritableFileSystem:
+def result_storage(store: RunStore) -> WritableFileSystem | Path:
     """Prefect results go beside the stage outputs, in the run's store, so any worker on any machine that shares
-    the store finds a cached stage. S3 credentials stay in the environment; only the endpoint travels."""
+    the store finds a cached stage. A local store is a plain path (Prefect records absolute keys and reads them
+    back without a block), so no block is saved per output URL; S3 needs a saved block (the endpoint only: S3
+    credentials stay in the environment), one per cache location."""
     url = storage.join(store.cache_url, "prefect-results")
-    block: WritableFileSystem = RemoteFileSystem(basepath=url, settings=store.options) if storage.is_remote(url) else LocalFileSystem(basepath=url)
-    block.save(f"influence-results-{hashlib.sha256(url.encode()).hexdigest()[:16]}", overwrite=True)  # Prefect needs it server-side
+    if not storage.is_remote(url):
+        return Path(url).absolute()
+    block = RemoteFileSystem(basepath=url, settings=store.options)
+    block.save(f"influence-results-{hashlib.sha256(url.encode()).hexdigest()[:16]}", overwrite=True)
     return block
 
 

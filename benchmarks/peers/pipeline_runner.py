@@ -76,7 +76,7 @@ def main() -> None:
     params = RunParameters.model_validate(parameters(a.workload, json.loads(a.method), a.regularization, a.out))
     with PeakRSS() as memory:
         start = time.perf_counter()
-        summary = influence_run(params)
+        summary = influence_run(**params.sections())
         wall = time.perf_counter() - start
     group = storage.open_group(params.store().influence_url, {}, mode="r")
     np.save(a.scores, np.asarray(group["scores"][...], dtype=np.float32))

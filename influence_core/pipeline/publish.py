@@ -65,10 +65,11 @@ def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
         del group[name]
 
 
-def query_rows(store: RunStore, data: DataRef, n_queries: int) -> list[QueryRow]:
+def query_rows(store: RunStore, data: DataRef, n_queries: int, n_show: int = 3) -> list[QueryRow]:
+    """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples."""
     group = storage.open_group(store.influence_url, store.options, mode="r")
     arrays = open_data(data, store.options)
-    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries)
+    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show)
 
 
 def publish(

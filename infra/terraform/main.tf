@@ -8,7 +8,8 @@ provider "prefect" {
 locals {
   entrypoint = "flows/influence_run.py:influence_run"
 
-  # Parameters for the stack in this folder: Dask reached by address, results in an S3-compatible store.
+  # Parameters for the stack in this folder, one flow parameter per section; Prefect merges a run's parameters into
+  # these section by section. Dask is reached by address, results go to an S3-compatible store.
   # Credentials are never parameters: workers take AWS_* from their environment.
   stack_params = {
     compute = {
@@ -40,6 +41,7 @@ resource "prefect_work_pool" "influence" {
   type              = "process"
   description       = "Influence runs, executed as subprocesses of a worker built from the project image."
   paused            = false
+  concurrency_limit = 2
   base_job_template = data.prefect_worker_metadata.defaults.base_job_configs.process
 }
 
@@ -57,11 +59,10 @@ resource "prefect_deployment" "nightly" {
   work_queue_name          = "default"
   enforce_parameter_schema = true
   parameter_openapi_schema = local.parameter_schema
-  parameters = jsonencode({
-    params = merge(local.stack_params, { output_url = "${var.results_prefix}/nightly" })
-  })
-  pull_steps = local.pull_steps
-  tags       = ["influence", "nightly"]
+  parameters               = jsonencode(merge(local.stack_params, { output_url = "${var.results_prefix}/nightly" }))
+  concurrency_limit        = 1
+  pull_steps               = local.pull_steps
+  tags                     = ["influence", "nightly"]
 }
 
 resource "prefect_deployment_schedule" "nightly" {
@@ -80,9 +81,49 @@ resource "prefect_deployment" "on_demand" {
   work_queue_name          = "default"
   enforce_parameter_schema = true
   parameter_openapi_schema = local.parameter_schema
-  parameters = jsonencode({
-    params = merge(local.stack_params, { output_url = "${var.results_prefix}/on-demand" })
+  parameters               = jsonencode(merge(local.stack_params, { output_url = "${var.results_prefix}/on-demand" }))
+  concurrency_limit        = 2
+  pull_steps               = local.pull_steps
+  tags                     = ["influence", "on-demand"]
+}
+
+# Failed runs are posted to a webhook, as `python -m flows.service` does for `make serve`: a custom-webhook
+# notification block (its data write-only, so the URL stays out of the state) and an automation on
+# prefect.flow-run.Failed of the flow influence-run. Subject and body match flows/service.py (checked by tests/infra).
+resource "prefect_block" "failure_webhook" {
+  count     = var.failure_webhook_url == null ? 0 : 1
+  name      = "influence-failure-webhook"
+  type_slug = "custom-webhook"
+  data_wo = jsonencode({
+    name               = "influence-run failed"
+    url                = var.failure_webhook_url
+    json_data          = { subject = "{{subject}}", body = "{{body}}" }
+    allow_private_urls = true
   })
-  pull_steps = local.pull_steps
-  tags       = ["influence", "on-demand"]
+  data_wo_version = 1
+}
+
+resource "prefect_automation" "failed_runs" {
+  count       = var.failure_webhook_url == null ? 0 : 1
+  name        = "influence-run failed"
+  description = "Posts every failed influence-run flow run to the webhook of the block influence-failure-webhook."
+  enabled     = true
+  trigger = {
+    event = {
+      posture       = "Reactive"
+      match         = jsonencode({ "prefect.resource.id" = "prefect.flow-run.*" })
+      match_related = jsonencode({ "prefect.resource.role" = "flow", "prefect.resource.name" = "influence-run" })
+      expect        = ["prefect.flow-run.Failed"]
+      threshold     = 1
+      within        = 0
+    }
+  }
+  actions = [
+    {
+      type              = "send-notification"
+      block_document_id = prefect_block.failure_webhook[0].id
+      subject           = "influence-run failed: {{ flow_run.name }}"
+      body              = "Flow run {{ flow_run.name }} ({{ flow_run.id }}) ended {{ flow_run.state.name }}: {{ flow_run.state.message }}"
+    },
+  ]
 }

@@ -63,3 +63,10 @@ variable "nightly_timezone" {
   type        = string
   default     = "UTC"
 }
+
+variable "failure_webhook_url" {
+  description = "Webhook that receives every failed influence-run flow run (a chat or alerting endpoint); null: no notification. Prefer TF_VAR_failure_webhook_url: the URL may hold a token."
+  type        = string
+  default     = null
+  sensitive   = true
+}

@@ -10,6 +10,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import httpx
 import pytest
 
@@ -61,6 +65,9 @@ def prefect_service(tmp_path_factory) -> Iterator[dict[str, str]]:
         "PREFECT_LOGGING_LEVEL": "INFO",
         "INFLUENCE_PIPELINE_HOME": str(REPO),
         "INFLUENCE_LOCK_DIR": str(home / "locks"),
+        # the scheduler's own loop, shortened so that a run due in seconds is created in seconds
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "2",
     }
     log = home / "server.log"
     with open(log, "wb") as out:
@@ -72,15 +79,43 @@ def prefect_service(tmp_path_factory) -> Iterator[dict[str, str]]:
         stop(server)
 
 
+class Webhook(BaseHTTPRequestHandler):
+    """Records the JSON bodies POSTed to it: the failure notification's receiver."""
+
+    received: list[dict] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
 @pytest.fixture(scope="session")
-def deployed(prefect_service: dict[str, str]) -> Iterator[dict[str, str]]:
-    """The work pool, `prefect --no-prompt deploy --all` from the repository, and a process worker."""
-    env = prefect_service
-    run = lambda *args: subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)  # noqa: E731
-    created = run("work-pool", "create", "influence-pool", "--type", "process")
+def webhook() -> Iterator[tuple[str, list[dict]]]:
+    """An HTTP receiver on 127.0.0.1: its URL and the bodies it received."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/hook", Webhook.received
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def deployed(prefect_service: dict[str, str], webhook: tuple[str, list[dict]]) -> Iterator[dict[str, str]]:
+    """What `make serve` sets up: the work pool, `prefect --no-prompt deploy --all` from the repository, the service
+    defaults (`python -m flows.service`, with the webhook receiver as the failure notification), a process worker."""
+    env = {**prefect_service, "INFLUENCE_FAILURE_WEBHOOK_URL": webhook[0]}
+    run = lambda *args: subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)  # noqa: E731
+    created = run(PREFECT, "work-pool", "create", "influence-pool", "--type", "process")
     assert created.returncode == 0, created.stdout + created.stderr
-    deployed = run("--no-prompt", "deploy", "--all")
+    deployed = run(PREFECT, "--no-prompt", "deploy", "--all")
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    service = run(os.sys.executable, "-m", "flows.service")
+    assert service.returncode == 0, service.stdout + service.stderr
     log = Path(env["PREFECT_HOME"]) / "worker.log"
     with open(log, "wb") as out:
         worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "influence-pool", "--type", "process"], env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -15,6 +16,8 @@ from influence_core import storage
 pytestmark = pytest.mark.e2e
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "prefect-ui-custom-run.png"
+REPORT_SCREENSHOT = "prefect-ui-report-artifact.png"
+CONTAINER = "xpath=ancestor::*[contains(concat(' ', normalize-space(@class), ' '), ' p-label ')][1]"  # a form property
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
@@ -32,8 +35,7 @@ def browser():  # type: ignore[no-untyped-def]
 
 def property_input(page, label: str, selector: str):  # type: ignore[no-untyped-def]
     """The input of the form property whose label reads `label`."""
-    container = "xpath=ancestor::*[contains(concat(' ', normalize-space(@class), ' '), ' p-label ')][1]"
-    return page.get_by_text(label, exact=True).locator(container).locator(selector).first
+    return page.get_by_text(label, exact=True).locator(CONTAINER).locator(selector).first
 
 
 def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
@@ -50,17 +52,21 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
     page.wait_for_load_state("networkidle")
 
     output = tmp_path / "ui-run"
-    property_input(page, "Output URL (Optional)", "textarea").fill(str(output))
-    property_input(page, "Training examples (Optional)", "button:has-text('int')").click()
+    property_input(page, "output_url (Optional)", "textarea").fill(str(output))
     property_input(page, "Training examples (Optional)", "input[type=number]").fill("300")
     property_input(page, "Top k (Optional)", "input[type=number]").fill("7")
+    # the form is drawn: optional numbers and strings are inputs left blank, not the UI's type switch set to None;
+    # the one switch left is a real choice, the gradient projection (none, or a Projection's settings)
+    none_switch = 'Property is type "None"'
+    projection = page.get_by_text("Gradient projection (Optional)", exact=True).locator(CONTAINER)
+    assert page.get_by_text(none_switch).count() == projection.get_by_text(none_switch).count() == 1
     page.get_by_role("button", name="Submit").click()
     page.wait_for_url(re.compile(r".*/deployments/deployment/[0-9a-f-]+(\?tab=Runs)?$"), timeout=60_000)  # back on the deployment
 
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     with SyncPrefectClient(api=deployed["PREFECT_API_URL"]) as client:
-        mine = [r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))) if r.parameters["params"].get("output_url") == str(output)]
+        mine = [r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))) if r.parameters.get("output_url") == str(output)]
         assert len(mine) == 1, "the form did not create exactly one run with the edited parameters"
         flow_run_id = mine[0].id
         deadline = time.time() + 600
@@ -68,14 +74,27 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
             assert time.time() < deadline, "the run from the UI did not finish"
             time.sleep(1)
     assert run.state.is_completed(), f"{run.state}: {open(deployed['WORKER_LOG']).read()[-3000:]}"
-    assert run.parameters["params"]["aggregate"]["top_k"] == 7 and run.parameters["params"]["dataset"]["n_train"] == 300
+    assert run.parameters["aggregate"]["top_k"] == 7 and run.parameters["dataset"]["n_train"] == 300
 
     page.goto(f"{ui}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
     page.get_by_text("Completed").first.wait_for(timeout=30_000)
-    # The README's screenshot is refreshed with INFLUENCE_UPDATE_DOCS=1; otherwise it goes to the test's tmp dir.
-    shot = SCREENSHOT if os.environ.get("INFLUENCE_UPDATE_DOCS") == "1" else tmp_path / SCREENSHOT.name
-    page.screenshot(path=str(shot))
-    assert shot.stat().st_size > 10_000
+    # The README's screenshots are refreshed with INFLUENCE_UPDATE_DOCS=1; otherwise they go to the test's tmp dir.
+    shots = SCREENSHOT.parent if os.environ.get("INFLUENCE_UPDATE_DOCS") == "1" else tmp_path
+    page.screenshot(path=str(shots / SCREENSHOT.name))
+    assert (shots / SCREENSHOT.name).stat().st_size > 10_000
+
+    # the report: an image artifact of the run, rendered by the UI from the browser (the PNG is inline, so it shows
+    # whether the output is on the worker's disk or in a bucket the browser cannot reach)
+    with SyncPrefectClient(api=deployed["PREFECT_API_URL"]) as client:
+        (report,) = [a for a in client.read_artifacts() if a.flow_run_id == flow_run_id and a.key == "influence-report"]
+        (table,) = [a for a in client.read_artifacts() if a.flow_run_id == flow_run_id and a.key == "influence-topk"]
+    assert report.type == "image" and report.data.startswith("data:image/png;base64,")
+    assert {"helpful_7", "harmful_7"} <= set(json.loads(table.data)[0]) and "helpful_8" not in json.loads(table.data)[0]
+    page.goto(f"{ui}/artifacts/artifact/{report.id}", wait_until="networkidle")
+    image = page.locator("img[src^='data:image/png']").first
+    image.wait_for(timeout=30_000)
+    assert image.evaluate("img => img.complete && img.naturalWidth") > 300  # decoded and drawn, not a broken image
+    page.screenshot(path=str(shots / REPORT_SCREENSHOT), full_page=True)
     group = storage.open_group(str(output / "influence.zarr"), {}, mode="r")
     assert group.attrs["status"] == "complete"
     assert np.asarray(group["topk_helpful_indices"][...]).shape[1] == 7

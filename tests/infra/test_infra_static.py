@@ -410,29 +410,49 @@ def test_terraform_nightly_schedule_is_cron(tf: dict[str, Any]) -> None:
 
 
 def test_terraform_parameter_schema_matches_the_flow() -> None:
-    """The stored schema equals what Prefect derives from influence_run(params: RunParameters); regenerate with
-    infra/terraform/update_parameter_schema.py. (Pydantic's schema with Prefect's ref template is what Prefect emits,
-    without importing Prefect here.)"""
+    """The stored schema equals what `prefect deploy` derives from influence_run (one parameter per section);
+    regenerate with infra/terraform/update_parameter_schema.py."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.influence_run import influence_run
     from flows.parameters import RunParameters
 
     stored = json.loads((TERRAFORM / "flow_parameter_schema.json").read_text())
-    top = RunParameters.model_json_schema(ref_template="#/definitions/{model}")
-    definitions = top.pop("$defs", {})
-    definitions["RunParameters"] = top
-    expected = {
-        "title": "Parameters",
-        "type": "object",
-        "properties": {
-            "params": {
-                "$ref": "#/definitions/RunParameters",
-                "default": RunParameters().model_dump(mode="json"),
-                "position": 0,
-                "title": "params",
-            }
-        },
-        "definitions": definitions,
-    }
-    assert stored == expected, "flow_parameter_schema.json is stale: run infra/terraform/update_parameter_schema.py"
+    assert set(stored["properties"]) == set(RunParameters.model_fields)
+    assert stored == json.loads(json.dumps(parameter_schema(influence_run).model_dump_for_openapi())), "flow_parameter_schema.json is stale: run infra/terraform/update_parameter_schema.py"
+
+
+def test_terraform_and_prefect_yaml_describe_the_same_deployments(tf: dict[str, Any]) -> None:
+    """Tags and concurrency limits agree between the two ways of deploying; parameters are sections, not `params`."""
+    from flows.parameters import RunParameters
+
+    from_yaml = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    from_tf = {d["name"]: d for d in labelled(tf, "resource", "prefect_deployment").values()}
+    assert set(from_yaml) == set(from_tf)
+    for name, d in from_tf.items():
+        assert d["tags"] == from_yaml[name]["tags"], name
+        assert d["concurrency_limit"] == from_yaml[name]["concurrency_limit"] >= 1, name
+        assert set(from_yaml[name]["parameters"]) <= set(RunParameters.model_fields), name
+        assert "jsonencode(merge(local.stack_params" in d["parameters"] and "params =" not in d["parameters"], name
+    assert [p["concurrency_limit"] for p in labelled(tf, "resource", "prefect_work_pool").values()] == [2]
+
+
+def test_terraform_failure_notification_matches_the_service_module(tf: dict[str, Any]) -> None:
+    """Terraform's automation on failed runs is flows/service.py's: same names, trigger, subject and body, posting
+    through a custom-webhook block whose URL is a sensitive variable kept out of the state (data_wo)."""
+    from flows import service
+
+    (block,) = labelled(tf, "resource", "prefect_block").values()
+    (automation,) = labelled(tf, "resource", "prefect_automation").values()
+    assert block["name"] == service.BLOCK and block["type_slug"] == "custom-webhook" and "data_wo" in block and "data" not in block
+    assert "var.failure_webhook_url" in block["data_wo"] and labelled(tf, "variable")["failure_webhook_url"]["sensitive"] is True
+    assert automation["name"] == service.AUTOMATION
+    event = automation["trigger"]["event"]
+    assert event["expect"] == ["prefect.flow-run.Failed"] and event["posture"] == "Reactive" and event["threshold"] == 1
+    assert '"prefect.resource.name" = "influence-run"' in event["match_related"]
+    (action,) = automation["actions"]
+    assert action["type"] == "send-notification" and action["block_document_id"] == "${prefect_block.failure_webhook[0].id}"
+    assert (action["subject"], action["body"]) == (service.SUBJECT, service.BODY)
 
 
 def test_terraform_fmt() -> None:
@@ -516,3 +536,66 @@ def test_dask_gpu_worker_group(dask_docs: list[dict[str, Any]]) -> None:
     for container in gpu_containers:
         assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
         assert container["image"].endswith("-gpu"), container["image"]
+
+
+# ---------------------------------------------------------------------------------------------- public schemas
+# tests/infra/schemas/ holds the published schemas (see its README): the dask-kubernetes operator's CRDs and the
+# prefect-worker chart's values.schema.json, so that the manifests are checked as the API server / helm would.
+SCHEMAS = Path(__file__).with_name("schemas")
+
+
+def crd_schemas() -> dict[str, dict[str, Any]]:
+    """kind -> the openAPIV3Schema of its served version, from the stored CRDs."""
+    schemas = {}
+    for path in SCHEMAS.glob("*.crd.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        (version,) = [v for v in crd["spec"]["versions"] if v["served"]]
+        schemas[crd["spec"]["names"]["kind"]] = version["schema"]["openAPIV3Schema"]
+    return schemas
+
+
+def schema_errors(schema: dict[str, Any], doc: Any) -> list[str]:
+    import jsonschema
+
+    return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+
+
+def test_dask_manifests_match_the_operator_crds(dask_docs: list[dict[str, Any]]) -> None:
+    schemas = crd_schemas()
+    assert {"DaskCluster", "DaskWorkerGroup"} <= set(schemas)
+    for doc in dask_docs:
+        assert not schema_errors(schemas[doc["kind"]], doc), (doc["kind"], schema_errors(schemas[doc["kind"]], doc))
+    # the check bites: a GPU count as a YAML integer is what the CRD refuses (resource quantities are strings)
+    group = next(d for d in dask_docs if d["kind"] == "DaskWorkerGroup")
+    broken = json.loads(json.dumps(group))
+    broken["spec"]["worker"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 1
+    assert any("nvidia.com/gpu: 1 is not of type 'string'" in e for e in schema_errors(schemas["DaskWorkerGroup"], broken))
+
+
+def test_helm_worker_values_match_the_chart_schema(worker_values: dict[str, Any]) -> None:
+    schema = json.loads((SCHEMAS / "prefect-worker.values.schema.json").read_text())
+    assert not schema_errors(schema, worker_values), schema_errors(schema, worker_values)
+    assert schema_errors(schema, {**worker_values, "worker": {**worker_values["worker"], "replicaCount": "two"}})
+
+
+def test_image_user_owns_the_source_directory() -> None:
+    """The image runs as UID 1001 and writes beside the source (runs/, caches): the directory and the copied files
+    are that user's."""
+    _, stages = dockerfile_stages()
+    base = " ".join(stages["base"])
+    workdir = re.search(r"WORKDIR (\S+)", base)[1]  # type: ignore[index]
+    assert re.search(rf"install -d -o 1001 -g 1001 {re.escape(workdir)}(\s|$)", base), "WORKDIR is created by root"
+    for name in ("cpu", "gpu"):
+        copies = [line for line in stages[name] if line.startswith("COPY")]
+        assert copies and all(line.startswith("COPY --chown=1001:1001 ") for line in copies), name
+        assert stages[name].index("USER 1001") > max(stages[name].index(c) for c in copies), name
+
+
+def test_compose_needs_v2_and_is_deployed_with_terraform() -> None:
+    """The top-level `name:` is a Compose v2 key, and prefect.yaml is for `make serve` (host paths, local Dask):
+    the compose stack's deployments come from Terraform."""
+    assert "name" in yaml.safe_load(COMPOSE_FILE.read_text())
+    header = COMPOSE_FILE.read_text().split("\nname:")[0]
+    readme = (INFRA / "README.md").read_text()
+    assert "Compose v2" in header and "Compose v2" in readme
+    assert "prefect deploy --all" not in readme.split("## Single machine (compose)")[1].split("\n## ")[0]

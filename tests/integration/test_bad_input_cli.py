@@ -60,7 +60,7 @@ class FlowRun:
 def flow_run_to(output_url: str) -> FlowRun | None:
     """The one flow run that wrote to `output_url`, read back from the Prefect API."""
     with get_client(sync_client=True) as client:
-        runs = [r for r in client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=100) if r.parameters.get("params", {}).get("output_url") == output_url]
+        runs = [r for r in client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=100) if r.parameters.get("output_url") == output_url]
         if not runs:
             return None
         assert len(runs) == 1, f"{len(runs)} flow runs wrote to {output_url}"
@@ -379,7 +379,7 @@ def test_the_flow_raises_config_error(case: Case, tmp_path: Path) -> None:
     config = small_params(str(tmp_path / "out")).model_dump(mode="json")
     case.change(config, tmp_path)
     with pytest.raises(ConfigError) as info:
-        influence_run(RunParameters.model_validate(config))
+        influence_run(**RunParameters.model_validate(config).sections())
     assert info.value.field == case.field and info.value.fix
     assert_stopped_at(str(tmp_path / "out"), case.stages or [])
     assert not (tmp_path / "out" / "influence.zarr").exists()

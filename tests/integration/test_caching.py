@@ -21,7 +21,7 @@ def outcomes(summary):
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     params = small_params(str(tmp_path_factory.mktemp("cache") / "run"))
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     return params, summary
 
 
@@ -33,7 +33,7 @@ def test_first_run_computes_every_stage(first_run):
 def test_same_parameters_recompute_nothing(first_run):
     params, first = first_run
     _, before = read_outputs(params.store())
-    second = influence_run(params)
+    second = influence_run(**params.sections())
     assert set(outcomes(second).values()) <= {"cached", "found complete"}
     assert all(second["stages"][s]["fingerprint"] == first["stages"][s]["fingerprint"] for s in STAGES)
     _, after = read_outputs(params.store())
@@ -44,7 +44,7 @@ def test_same_parameters_recompute_nothing(first_run):
 def test_changing_top_k_reruns_only_aggregate(first_run):
     params, _ = first_run
     changed = params.model_copy(update={"aggregate": params.aggregate.model_copy(update={"top_k": 2}), "overwrite": True})  # other parameters, same output
-    summary = influence_run(changed)
+    summary = influence_run(**changed.sections())
     got = outcomes(summary)
     assert got.pop("aggregate") == "computed"
     assert set(got.values()) <= {"cached", "found complete"}
@@ -56,10 +56,10 @@ def test_changing_top_k_reruns_only_aggregate(first_run):
 
 def test_deleted_outputs_are_recomputed_despite_prefect_cache(tmp_path):
     params = small_params(str(tmp_path / "run"))
-    influence_run(params)
+    influence_run(**params.sections())
     _, before = read_outputs(params.store())
     shutil.rmtree(tmp_path / "run")
-    summary = influence_run(params)  # Prefect still holds cached refs that point at deleted files
+    summary = influence_run(**params.sections())  # Prefect still holds cached refs that point at deleted files
     assert outcomes(summary) == dict.fromkeys(STAGES, "computed")
     _, after = read_outputs(params.store())
     np.testing.assert_allclose(after["scores"], before["scores"], rtol=1e-5, atol=1e-6)
@@ -67,9 +67,9 @@ def test_deleted_outputs_are_recomputed_despite_prefect_cache(tmp_path):
 
 def test_deleted_scores_only_recompute_scores_and_aggregate(tmp_path):
     params = small_params(str(tmp_path / "run"))
-    influence_run(params)
+    influence_run(**params.sections())
     shutil.rmtree(tmp_path / "run" / "influence.zarr")
-    got = outcomes(influence_run(params))
+    got = outcomes(influence_run(**params.sections()))
     assert got["compute_influences"] == "computed" and got["aggregate"] == "computed"
     assert {got[s] for s in STAGES[:4]} <= {"cached", "found complete"}
 
@@ -78,6 +78,22 @@ def test_local_cluster_kind_gives_identical_scores(first_run, tmp_path):
     params, _ = first_run
     _, sequential = read_outputs(params.store())
     local = params.model_copy(update={"output_url": str(tmp_path / "local"), "compute": params.compute.model_copy(update={"cluster": "local", "n_workers": 2})})
-    influence_run(local)
+    influence_run(**local.sections())
     _, arrays = read_outputs(local.store())
     np.testing.assert_array_equal(arrays["scores"], sequential["scores"])
+
+
+def test_local_results_need_no_block_per_output_url(tmp_path):
+    """Prefect's results of a local run are files beside its stages, read back by path: runs to two output URLs
+    save no result-storage block on the server, and a rerun is served from those files (state Cached)."""
+    from prefect import get_client
+
+    first, second = (small_params(str(tmp_path / name)) for name in ("a", "b"))
+    influence_run(**first.sections())
+    influence_run(**second.sections())
+    with get_client(sync_client=True) as client:
+        names = [block.name for block in client.read_block_documents()]
+    assert not [name for name in names if name.startswith("influence-results-")], names
+    records = list((tmp_path / "a" / "stages" / "prefect-results").iterdir())
+    assert len(records) >= len(STAGES)
+    assert set(outcomes(influence_run(**first.sections())).values()) == {"cached"}

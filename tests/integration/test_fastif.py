@@ -31,7 +31,7 @@ def failed(store) -> list[str]:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> dict[str, np.ndarray]:
     params = small_params(str(tmp_path_factory.mktemp("full") / "run"))
-    influence_run(params)
+    influence_run(**params.sections())
     return read_outputs(params.store())[1]
 
 
@@ -39,7 +39,7 @@ def test_k_equal_to_n_train_gives_exactly_the_full_topk(tmp_path, full_run, dask
     """On a LocalCluster, against the full run computed sequentially (the small-k test below runs sequentially)."""
     compute = {"cluster": "address", "address": dask_address, "train_chunk_rows": 64}
     params = small_params(str(tmp_path / "run"), compute=compute, candidates={"knn_k": 240})
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     store = params.store()
     group, arrays = read_outputs(store)
     assert "scores" not in arrays and "self_influence" not in arrays
@@ -54,7 +54,7 @@ def test_k_equal_to_n_train_gives_exactly_the_full_topk(tmp_path, full_run, dask
 
 def test_small_k_scores_only_the_candidates_and_resumes_a_lost_chunk(tmp_path):
     params = small_params(str(tmp_path / "run"), candidates={"knn_k": 6, "index": "hnsw"})
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     store = params.store()
     group, arrays = read_outputs(store)
     model, data = stored_model_and_data(store, group)
@@ -80,7 +80,7 @@ def test_small_k_scores_only_the_candidates_and_resumes_a_lost_chunk(tmp_path):
     del g["candidate_scores"]
     g.attrs["status"] = "running"
     assert "candidate_scores" in failed(store) and "status" in failed(store)  # a partial run never looks complete
-    again = influence_run(params)["stages"]["compute_influences"]
+    again = influence_run(**params.sections())["stages"]["compute_influences"]
     assert again["outcome"] == "computed" and again["chunks_computed"] == 1
     assert again["gradient_rows"] == len(np.unique(indices[indices // 64 == first]))  # that chunk's candidates only
     _, resumed = read_outputs(store)
@@ -96,7 +96,7 @@ def test_parallel_lissa_repeats_give_the_same_factors_on_any_cluster(tmp_path, d
     """FastIF's parallel s_test: T = 4 repeats of B = 1 as Dask tasks, summed by the driver: the same bits on a
     LocalCluster as sequentially (the flow's run), and the library's factors."""
     params = small_params(str(tmp_path / "run"), method=FAST_LISSA, aggregate={"top_k": 4, "self_influence": "off"})
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     stage = summary["stages"]["compute_test_factors"]
     assert stage["outcome"] == "computed" and stage["work"]["solves"] == 12 and stage["work"]["solver_iterations"] == 4 * 20
     sequential = np.asarray(storage.open_array(stage["url"], {})[...])

@@ -39,7 +39,7 @@ def _stage_run_counts(flow_run_id) -> dict[str, int]:
 @pytest.mark.usefixtures("prefect_api")
 def test_s3_outage_mid_run_completes_with_the_same_scores(s3_endpoint, s3_bucket, s3_proxy, tmp_path):
     reference = small_params(str(tmp_path / "reference"))  # uninterrupted; the store does not change the bits
-    influence_run(reference)
+    influence_run(**reference.sections())
     _, expected = read_outputs(reference.store())
 
     params = small_params(f"s3://{s3_bucket}/flaky", storage={"endpoint_url": s3_proxy.url})
@@ -60,7 +60,7 @@ def test_s3_outage_mid_run_completes_with_the_same_scores(s3_endpoint, s3_bucket
     watcher = threading.Thread(target=cut_when_scoring, daemon=True)
     watcher.start()
     try:
-        state = influence_run(params, return_state=True)
+        state = influence_run(**params.sections(), return_state=True)
     finally:
         stop.set()
         watcher.join()
@@ -115,12 +115,12 @@ DAMAGE = {
 def test_damaged_output_is_detected_and_recomputed(case, tmp_path):
     pattern, damage, stage = DAMAGE[case]
     params = small_params(str(tmp_path / "run"))
-    influence_run(params)
+    influence_run(**params.sections())
     _, expected = read_outputs(params.store())
     [target] = (tmp_path / "run").glob(pattern)
     damage(target)
 
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     outcomes = {name: s["outcome"] for name, s in summary["stages"].items()}
     assert outcomes.pop(stage) == "computed"
     assert set(outcomes.values()) <= {"cached", "found complete"}  # only the damaged stage ran again
@@ -134,14 +134,14 @@ def test_damaged_output_is_detected_and_recomputed(case, tmp_path):
 def test_damage_on_s3_is_detected_and_recomputed(s3_endpoint, s3_bucket):
     """The same checks against S3 objects (ETags instead of modification times): a shorter model.pt and a lost shard."""
     params = small_params(f"s3://{s3_bucket}/run", storage={"endpoint_url": s3_endpoint})
-    influence_run(params)
+    influence_run(**params.sections())
     _, expected = read_outputs(params.store())
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True, use_listings_cache=False)
     [model] = fs.glob(f"{s3_bucket}/run/stages/fit_model/*/model.pt")
     fs.pipe_file(model, fs.cat_file(model)[:100])
     fs.rm(f"{s3_bucket}/run/influence.zarr/scores/c/0/2")
 
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     outcomes = {name: s["outcome"] for name, s in summary["stages"].items()}
     assert outcomes.pop("fit_model") == outcomes.pop("compute_influences") == "computed"
     assert set(outcomes.values()) <= {"cached", "found complete"}

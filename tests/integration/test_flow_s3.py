@@ -24,7 +24,7 @@ def s3_run(s3_endpoint, dask_address):
         storage={"endpoint_url": s3_endpoint},
         compute={"cluster": "address", "address": dask_address, "train_chunk_rows": 64},
     )
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     store = params.store()
     group, arrays = read_outputs(store)
     return params, summary, store, group, arrays
@@ -91,11 +91,35 @@ def test_attrs_carry_config_without_secrets(s3_run):
 def test_missing_bucket_names_bucket_and_endpoint(s3_endpoint):
     params = small_params("s3://no-such-bucket/run", storage={"endpoint_url": s3_endpoint})
     with pytest.raises(ConfigError, match=rf"output_url: S3 bucket 'no-such-bucket' does not exist at {s3_endpoint}"):
-        influence_run(params)
+        influence_run(**params.sections())
 
 
 def test_top_k_above_n_train_fails_before_training(tmp_path):
     params = small_params(str(tmp_path / "run"), dataset={"n_train": 30, "n_test": 5}, aggregate={"top_k": 31})
     with pytest.raises(ConfigError, match="aggregate.top_k"):
-        influence_run(params)
+        influence_run(**params.sections())
     assert not (tmp_path / "run" / "stages" / "fit_model").exists()
+
+
+def test_artifacts_show_the_report_and_every_top_k_column(s3_run):
+    """The image artifact is report.png itself, inline (the browser needs no access to the bucket), and the table
+    has top_k helpful and harmful columns whose cells are the stored top-k."""
+    import base64
+    import json
+
+    import s3fs
+    from prefect import get_client
+
+    params, summary, store, group, arrays = s3_run
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": params.storage.endpoint_url})
+    inline = "data:image/png;base64," + base64.b64encode(fs.cat_file("flow-results/run/report.png")).decode()
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts()
+    (report,) = [a for a in artifacts if a.key == "influence-report" and a.data == inline]
+    (table,) = [a for a in artifacts if a.key == "influence-topk" and a.flow_run_id == report.flow_run_id]
+    assert report.type == "image"
+    rows = json.loads(table.data)
+    k = params.aggregate.top_k
+    assert list(rows[0]) == ["query", "label", *[f"helpful_{i}" for i in range(1, k + 1)], *[f"harmful_{i}" for i in range(1, k + 1)]]
+    assert [int(rows[q][f"harmful_{k}"].split()[0][1:]) for q in range(len(rows))] == arrays["topk_harmful_indices"][: len(rows), k - 1].tolist()
+    assert f"The {k} most helpful and {k} most harmful" in table.description

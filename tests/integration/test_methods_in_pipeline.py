@@ -35,7 +35,7 @@ def test_method_through_pipeline_equals_library(tmp_path, method, dask_address):
     auto_rank(32, n_queries) for CG, LiSSA and DataInf, each equal to the library's own."""
     compute = {"cluster": "address", "address": dask_address, "train_chunk_rows": 64} if method.startswith("ekfac") else {"cluster": "sequential", "train_chunk_rows": 64}
     params = small_params(str(tmp_path / method.replace(" ", "_")), method=METHODS[method], compute=compute)
-    summary = influence_run(params)
+    summary = influence_run(**params.sections())
     store = params.store()
     group, arrays = read_outputs(store)
     assert group.attrs["status"] == "complete"

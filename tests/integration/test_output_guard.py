@@ -81,10 +81,10 @@ def test_refusal_through_the_flow_happens_before_any_stage(tmp_path):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     first = small_params(str(tmp_path / "out"))
-    influence_run(first)
+    influence_run(**first.sections())
     before = file_hashes(tmp_path / "out")
     other = small_params(str(tmp_path / "out"), training={"epochs": 16})
-    state = influence_run(other, return_state=True)
+    state = influence_run(**other.sections(), return_state=True)
     assert state.is_failed()
     with pytest.raises(ConfigError, match=r"output_url: .* holds a complete run of other parameters .* --overwrite"):
         state.result()
@@ -93,7 +93,7 @@ def test_refusal_through_the_flow_happens_before_any_stage(tmp_path):
     assert tasks == []  # not a single stage was started
     assert file_hashes(tmp_path / "out") == before
 
-    again = influence_run(first)  # the same parameters are always welcome: everything is reused
+    again = influence_run(**first.sections())  # the same parameters are always welcome: everything is reused
     assert {stage["outcome"] for stage in again["stages"].values()} <= {"cached", "found complete"}
 
 
@@ -145,7 +145,7 @@ def test_two_runs_at_once_with_the_same_parameters_share_the_work(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert_one_consistent_run(params, summary)
     reference = small_params(str(tmp_path / "reference"))
-    influence_run(reference)
+    influence_run(**reference.sections())
     assert_same_outputs(params.store(), read_outputs(reference.store())[1])
     # one run computed every stage; the one that got the lock second found them all complete
     outcomes = sorted((printed_outcomes(log_a), printed_outcomes(log_b)), key=lambda o: o["prepare_data"] != "computed")
@@ -167,6 +167,6 @@ def test_two_runs_at_once_with_different_parameters_never_mix(tmp_path):
     assert_one_consistent_run(winner, summary)
     assert summary["config"]["aggregate"]["top_k"] == winner.aggregate.top_k
     reference = winner.model_copy(update={"output_url": str(tmp_path / "reference")})
-    influence_run(reference)
+    influence_run(**reference.sections())
     assert_same_outputs(winner.store(), read_outputs(reference.store())[1])
     assert loser.run_fingerprint() != winner.run_fingerprint()

@@ -53,7 +53,7 @@ def test_a_stage_with_bad_input_fails_the_run_at_once(tmp_path):
     from flows.influence_run import influence_run
 
     params = small_params(str(tmp_path / "run"), model={"hidden": [4], "output_dim": 3})
-    state = influence_run(params, return_state=True)
+    state = influence_run(**params.sections(), return_state=True)
     assert state.is_failed()
     with pytest.raises(ConfigError, match="model.output_dim"):
         state.result()
@@ -69,7 +69,7 @@ def test_two_concurrent_runs_compute_each_stage_once(tmp_path):
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO), "INFLUENCE_LOCK_DIR": str(tmp_path / "locks")}
     script = (
         "import json, sys; from flows.influence_run import influence_run; from flows.parameters import RunParameters; "
-        "s = influence_run(RunParameters.model_validate_json(sys.argv[1])); "
+        "s = influence_run(**RunParameters.model_validate_json(sys.argv[1]).sections()); "
         "print('OUTCOMES=' + json.dumps({k: v['outcome'] for k, v in s['stages'].items()}))"
     )
     procs = [subprocess.Popen([sys.executable, "-c", script, params.model_dump_json()], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]

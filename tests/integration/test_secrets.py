@@ -72,7 +72,7 @@ def test_no_credential_reaches_any_output(secrets: tuple[str, str], s3_endpoint:
     key, secret = secrets
     params = small_params(f"s3://{s3_bucket}/run", storage={"endpoint_url": s3_endpoint})
     caplog.set_level(logging.DEBUG, logger="prefect")
-    state = influence_run(params, return_state=True)
+    state = influence_run(**params.sections(), return_state=True)
     summary = state.result()
     flow_run_id = state.state_details.flow_run_id
     APILogWorker.drain_all(timeout=30)
@@ -108,7 +108,7 @@ def test_no_credential_reaches_any_output(secrets: tuple[str, str], s3_endpoint:
     # the haystack is real: each kind of place was found and holds what it should
     assert "train chunks" in places["prefect logs"].decode()
     assert {a.key for a in artifacts} >= {"influence-topk", "influence-summary", "influence-progress"}
-    assert s3_endpoint in flow_run.parameters["params"]["storage"]["endpoint_url"]
+    assert s3_endpoint in flow_run.parameters["storage"]["endpoint_url"]
     results = [name for name in objects if "/prefect-results/" in name]
     assert len(results) >= 6 and all(json.loads(objects[name]) for name in results)
     assert f"{s3_bucket}/run/summary.json" in objects and f"{s3_bucket}/run/report.png" in objects

@@ -29,7 +29,7 @@ CHECKS = [
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory: pytest.TempPathFactory, prefect_api: None) -> Path:
     root = tmp_path_factory.mktemp("verify") / "run"
-    influence_run(small_params(str(root)))
+    influence_run(**small_params(str(root)).sections())
     return root
 
 
@@ -155,7 +155,7 @@ def test_ties_may_be_broken_either_way(run_copy: Path) -> None:
 
 def test_verify_on_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
     params = small_params(f"s3://{s3_bucket}/run", storage={"endpoint_url": s3_endpoint})
-    influence_run(params)
+    influence_run(**params.sections())
     store = params.store()
     assert failed(store) == []
     result = runner.invoke(app, ["verify", f"s3://{s3_bucket}/run", "--endpoint-url", s3_endpoint], terminal_width=200)

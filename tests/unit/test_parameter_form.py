@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from flows.parameters import RunParameters
 
 
@@ -36,3 +38,44 @@ def test_methods_and_cluster_kinds_are_choices():
     names = sorted(defs[v["$ref"].split("/")[-1]]["properties"]["name"]["const"] for v in schema["properties"]["method"]["anyOf"])
     assert names == ["arnoldi", "cg", "datainf", "direct", "ekfac", "identity", "kfac", "lissa", "nystroem"]
     assert defs["ClusterKind"]["enum"] == ["local", "cuda", "address", "sequential"]
+
+
+def test_empty_optional_settings_are_plain_inputs():
+    """An optional number, string or list left empty is a plain input, not a type switch offering "None"; the
+    values still validate as None, and Prefect's server-side validator accepts a null for them."""
+    from prefect.utilities.schema_tools.validation import validate
+
+    schema = RunParameters.model_json_schema()
+    defs = schema["$defs"]
+    switches = [path for path, prop in walk(schema, defs) if {"type": "null"} in prop.get("anyOf", []) and "$ref" not in str(prop["anyOf"])]
+    assert not switches, switches
+    assert defs["DatasetSpec"]["properties"]["n_train"] == {**defs["DatasetSpec"]["properties"]["n_train"], "type": "integer", "minimum": 1}
+    assert RunParameters.model_validate({"dataset": {"n_train": None}}).dataset.n_train is None
+    definitions = {**defs, "RunParameters": {k: v for k, v in schema.items() if k != "$defs"}}
+    flat = {"type": "object", "properties": {"dataset": {"$ref": "#/definitions/DatasetSpec"}}, "definitions": definitions}
+    flat = json.loads(json.dumps(flat).replace("#/$defs/", "#/definitions/"))  # Prefect's layout of a flow's schema
+    assert validate({"dataset": {"n_train": None, "path": None}}, flat) == []
+    assert validate({"dataset": {"n_train": 0}}, flat) != []
+
+
+def test_descriptions_hold_no_angle_brackets():
+    """The UI renders descriptions as markdown, where `<output_url>` is an HTML tag and disappears."""
+    schema = RunParameters.model_json_schema()
+    bracketed = [path for path, prop in walk(schema, schema["$defs"]) if "<" in prop.get("description", "")]
+    assert not bracketed, bracketed
+
+
+def test_the_flow_takes_one_parameter_per_section():
+    """influence_run's parameters are RunParameters' fields, with the same defaults, so a deployment's defaults
+    and a run's parameters merge per section; from_sections and sections() are inverse."""
+    import inspect
+
+    from flows.influence_run import influence_run
+
+    signature = inspect.signature(influence_run.fn).parameters
+    assert list(signature) == list(RunParameters.model_fields)
+    defaults = RunParameters()
+    assert {name: p.default for name, p in signature.items()} == defaults.sections()
+    params = RunParameters.model_validate({"output_url": "runs/x", "method": {"name": "cg"}, "aggregate": {"top_k": 3}})
+    again = RunParameters.from_sections(**params.sections())
+    assert again == params and again.method is not params.method
