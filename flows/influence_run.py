@@ -31,6 +31,7 @@ class StageRunner:
     """Calls stage tasks, bypassing Prefect's cache when the store no longer holds the output, and records outcomes."""
 
     def __init__(self, store: RunStore) -> None:
+        self.store = store
         self.storage = result_storage(store)
         self.started = datetime.now(timezone.utc)
         self.refs: dict[str, StageRef] = {}
@@ -40,7 +41,7 @@ class StageRunner:
         present = stage.cache_policy.planner(**inputs).existing() is not None  # type: ignore[union-attr]
         wall = time.perf_counter()
         state = stage.with_options(refresh_cache=not present, result_storage=self.storage)(**inputs, return_state=True)
-        ref: R = state.result()
+        ref: R = state.result().moved(self.store.resolve)  # stored relative to the output's root, which may have moved
         if state.name == "Cached":
             outcome = "cached"
         else:

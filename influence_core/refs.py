@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+from typing_extensions import Self
 
 
 class Ref(BaseModel):
@@ -17,6 +19,10 @@ class Ref(BaseModel):
     fingerprint: str
     shape: tuple[int, ...]
     dtype: str
+
+    def moved(self, move: Callable[[str], str]) -> Self:
+        """The same ref with every URL it holds passed through `move` (to make it relative to a root, or resolve it)."""
+        return self.model_copy(update={"url": move(self.url)})
 
 
 class StageRef(Ref):
@@ -35,6 +41,9 @@ class DataRef(StageRef):
     arrays: dict[str, Ref]
     n_classes: int | None
     image_shape: tuple[int, ...] | None
+
+    def moved(self, move: Callable[[str], str]) -> Self:
+        return super().moved(move).model_copy(update={"arrays": {name: ref.moved(move) for name, ref in self.arrays.items()}})
 
     @property
     def n_train(self) -> int:

@@ -42,6 +42,11 @@ def join(url: str, *parts: str) -> str:
     return posixpath.join(url, *parts)
 
 
+def is_absolute(url: str) -> bool:
+    """A URL with a scheme or a rooted local path; anything else is relative to some root."""
+    return bool(scheme(url)) or url.startswith("/")
+
+
 def is_remote(url: str) -> bool:
     return scheme(url) in REMOTE_SCHEMES
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import psutil
 from prefect import Task
@@ -22,6 +24,9 @@ from prefect.settings import PREFECT_HOME
 from influence_core import ConfigError, NumericalError, storage
 from influence_core.pipeline.stage import StageCall
 from influence_core.pipeline.store import RunStore
+from influence_core.refs import StageRef
+
+R = TypeVar("R", bound=StageRef)
 
 
 @dataclass
@@ -72,6 +77,19 @@ def stage_policy(planner: Callable[..., StageCall[Any]]) -> CachePolicy:
     a shared lock manager such as prefect-redis's."""
     lock_dir = Path(os.environ.get("INFLUENCE_LOCK_DIR") or Path(PREFECT_HOME.value()) / "locks")
     return StagePolicy(planner=planner).configure(isolation_level="SERIALIZABLE", lock_manager=CrashSafeLockManager(lock_dir))
+
+
+def portable(stage: Callable[..., R]) -> Callable[..., R]:
+    """The stage's ref with URLs relative to the output's root: Prefect persists it beside the outputs, which may be
+    moved or copied elsewhere; the flow resolves it against the output where it is now (`RunStore.resolve`)."""
+    signature = inspect.signature(stage)
+
+    @functools.wraps(stage)
+    def relative(*args: Any, **kwargs: Any) -> R:
+        store: RunStore = signature.bind(*args, **kwargs).arguments["store"]
+        return stage(*args, **kwargs).moved(store.relative)
+
+    return relative
 
 
 def result_storage(store: RunStore) -> WritableFileSystem:

@@ -9,7 +9,8 @@ from typing import Any
 
 from .. import storage
 from ..errors import ConfigError
-from ..refs import DataRef, StageRef
+from ..layout import SCORE_CONVENTION
+from ..refs import DataRef, ModelRef, StageRef
 from ..report import QueryRow, render_report, topk_rows
 from ..version import CODE_VERSION
 from .loading import open_data
@@ -93,21 +94,40 @@ def publish(
         "code_version": CODE_VERSION,
         "versions": package_versions(),
     }
-    storage.write_json(store.url("summary.json"), summary, store.options)
+    storage.write_json(store.url("summary.json"), portable_summary(store, summary), store.options)
     prune(store, refs)
     group = storage.open_group(store.influence_url, store.options, mode="a")
     group.attrs.update(
         {
             "schema_version": SCHEMA_VERSION,
-            "config": config,
+            **SCORE_CONVENTION,
+            "config": portable_config(config),
             "fingerprints": {name: ref.fingerprint for name, ref in refs.items()},
-            "refs": {name: ref.model_dump(mode="json") for name, ref in refs.items()},
+            "refs": {name: ref.moved(store.relative).model_dump(mode="json") for name, ref in refs.items()},
             "versions": summary["versions"],
             "stage_timings": {name: stage["seconds"] for name, stage in stages.items()},
         }
     )
     group.attrs["status"] = "complete"
     return summary, rows
+
+
+def portable_summary(store: RunStore, summary: dict[str, Any]) -> dict[str, Any]:
+    """summary.json as stored: every location relative to the output's root, so a moved or copied output stays
+    right; the flow returns the absolute form to its caller."""
+    stages = {name: {**stage, "url": store.relative(stage["url"])} for name, stage in summary["stages"].items()}
+    return {**summary, "output_url": ".", "influence": store.relative(summary["influence"]), "report": store.relative(summary["report"]), "stages": stages, "config": portable_config(summary["config"])}
+
+
+def portable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The parameters as recorded inside the output: `output_url` is the output's own root, '.'."""
+    return {**config, "output_url": "."} if "output_url" in config else config
+
+
+def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
+    """The stage refs a published run records, resolved against where the output is now."""
+    types = {"prepare_data": DataRef, "fit_model": ModelRef}
+    return {name: types.get(name, StageRef).model_validate(ref).moved(store.resolve) for name, ref in attrs["refs"].items()}
 
 
 def read_run(store: RunStore, n_queries: int) -> tuple[dict[str, Any], list[QueryRow]]:
@@ -119,5 +139,6 @@ def read_run(store: RunStore, n_queries: int) -> tuple[dict[str, Any], list[Quer
     status = group.attrs.get("status")
     if status != "complete":
         raise ConfigError("output_url", f"the run at {store.output_url!r} is not complete (status={status!r})", "run it again with the same parameters to finish it")
-    data = DataRef.model_validate(group.attrs["refs"]["prepare_data"])
+    data = stored_refs(store, group.attrs)["prepare_data"]
+    assert isinstance(data, DataRef)
     return dict(group.attrs), query_rows(store, data, n_queries)

@@ -23,7 +23,7 @@ from distributed import Client, as_completed
 
 from .. import storage
 from ..errors import ConfigError
-from ..layout import ScoreLayout, score_layout
+from ..layout import DIMENSIONS, ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
 from ..methods.scorer import Scorer
 from ..models import load_state
@@ -76,13 +76,15 @@ _SCORERS_LOCK = threading.Lock()
 
 
 def _scorer(job: ScoreJob) -> _Scorer:
-    """Load once per worker process and job; later tasks of the same job reuse it."""
+    """Load once per worker process and job; later tasks of the same job reuse it. Keyed by the job and where it
+    writes: two outputs of the same parameters share a key but never a scorer's open arrays."""
+    where = f"{job.key}:{job.influence_url}"
     with _SCORERS_LOCK:
-        if job.key not in _SCORERS:
-            _SCORERS[job.key] = _Scorer(job)
+        if where not in _SCORERS:
+            _SCORERS[where] = _Scorer(job)
             while len(_SCORERS) > 2:
                 _SCORERS.popitem(last=False)
-        return _SCORERS[job.key]
+        return _SCORERS[where]
 
 
 def score_chunk(job: ScoreJob, index: int) -> dict[str, float]:
@@ -115,7 +117,6 @@ def plan(
     candidates: CandidatesSpec | None = None,
 ) -> StageCall[ScoresRef]:
     config: dict[str, Any] = {
-        "output_url": store.output_url,
         "train_chunk_rows": compute.train_chunk_rows,
         "target_shard_mb": compute.target_shard_mb,
         "method": method.model_dump(mode="json"),
@@ -150,9 +151,9 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
         return group
     storage.remove(job.markers_url, job.options)
     layout = job.layout
-    group.create_array("scores", shape=(layout.n_test, layout.n_train), chunks=layout.chunk, shards=layout.shard, dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key})
+    group.create_array("scores", shape=(layout.n_test, layout.n_train), chunks=layout.chunk, shards=layout.shard, dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["scores"])
     if with_self_influence:
-        group.create_array("self_influence", shape=(layout.n_train,), chunks=(layout.train_rows,), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key})
+        group.create_array("self_influence", shape=(layout.n_train,), chunks=(layout.train_rows,), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["self_influence"])
     elif "self_influence" in group:
         del group["self_influence"]  # a self-influence of another configuration must not survive beside these scores
     return group

@@ -47,11 +47,12 @@ def stage_key(stage: str, config: dict[str, Any], inputs: dict[str, Ref]) -> str
 
 
 class StageLocation:
-    """The directory of one stage run, and its manifest."""
+    """The directory of one stage run, and its manifest. The manifest records URLs relative to the output's root
+    (`RunStore.relative`), so an output that is moved or copied elsewhere still finds its stages complete."""
 
-    def __init__(self, cache_url: str, stage: str, key: str, options: dict[str, Any]) -> None:
-        self.stage, self.key, self.options = stage, key, options
-        self.url = storage.join(cache_url, stage, key)
+    def __init__(self, store: RunStore, stage: str, key: str) -> None:
+        self.store, self.stage, self.key, self.options = store, stage, key, store.options
+        self.url = storage.join(store.cache_url, stage, key)
 
     def path(self, name: str) -> str:
         return storage.join(self.url, name)
@@ -64,20 +65,23 @@ class StageLocation:
         """The recorded output if the stage is complete and its output intact, else None."""
         try:
             manifest = storage.read_json(self.manifest_url, self.options)
-        except (FileNotFoundError, ValueError):  # absent, or being written by a concurrent run
+            ref = ref_type.model_validate(manifest["output"]).moved(self.store.resolve)
+            recorded = {self.store.resolve(url) if ".zarr" in ref.url else url: entry for url, entry in manifest["inventory"].items()}
+        except (FileNotFoundError, ValueError, KeyError, TypeError):  # absent, damaged, or being written by a concurrent run
             return None
-        ref = ref_type.model_validate(manifest["output"])
-        return ref if output_intact(ref, manifest["inventory"], self.options) else None
+        return ref if output_intact(ref, recorded, self.options) else None
 
     def write(self, ref: StageRef, arguments: dict[str, Any], inputs: dict[str, Ref]) -> None:
+        relative = self.store.relative
+        recorded = inventory(ref, self.options)
         manifest = {
             "stage": self.stage,
             "key": self.key,
             "code_version": CODE_VERSION,
             "arguments": arguments,
-            "inputs": {name: r.model_dump(mode="json") for name, r in inputs.items()},
-            "output": ref.model_dump(mode="json"),
-            "inventory": inventory(ref, self.options),
+            "inputs": {name: r.moved(relative).model_dump(mode="json") for name, r in inputs.items()},
+            "output": ref.moved(relative).model_dump(mode="json"),
+            "inventory": {relative(url) if ".zarr" in ref.url else url: entry for url, entry in recorded.items()},
         }
         storage.write_json(self.manifest_url, manifest, self.options)
 
@@ -137,11 +141,11 @@ class StageCall(Generic[R]):
     @property
     def key(self) -> str:
         pinned = {} if self.threads is None else {"torch_threads": self.threads}
-        return stage_key(self.stage, {**self.config, **pinned, "cache_url": self.store.cache_url}, self.inputs)
+        return stage_key(self.stage, {**self.config, **pinned}, self.inputs)  # never where the output lives: a moved output keeps its keys
 
     @property
     def location(self) -> StageLocation:
-        return StageLocation(self.store.cache_url, self.stage, self.key, self.store.options)
+        return StageLocation(self.store, self.stage, self.key)
 
     def existing(self) -> R | None:
         """The stored output when complete and intact; the store is the truth, not any cache in front of it."""
