@@ -33,6 +33,7 @@ class StageRef(Ref):
     seconds: float
     producer: str  # host:pid of the process that computed it
     work: dict[str, float] = {}  # influence_core.work.Work counters of the computation (empty when it counts none)
+    parameters: dict[str, Any] = {}  # fit_preconditioner: the parameters attributed, excluded and frozen (InfluenceFunctionModel.attributed_parameters)
 
 
 class DataRef(StageRef):
