@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import inspect
@@ -107,6 +108,8 @@ def is_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> 
         state.result(raise_on_failure=True)
     except (ConfigError, NumericalError, ValueError, TypeError, KeyError):
         return False
+    except OSError as exc:
+        return exc.errno != errno.ENOSPC  # a full disk stays full: retrying only rewrites what fits
     except Exception:
         return True
     return False

@@ -13,10 +13,12 @@ from ..layout import SCORE_CONVENTION
 from ..refs import DataRef, ModelRef, StageRef
 from ..report import QueryRow, render_report, topk_rows
 from ..version import CODE_VERSION
+from . import damage
 from .loading import open_data
 from .store import RunStore
 
 SCHEMA_VERSION = 1
+REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
 PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
 
 
@@ -35,6 +37,8 @@ def check_owner(store: RunStore, fingerprint: str, overwrite: bool) -> None:
     mixes arrays of two configurations. Reads only; nothing is written before this passes."""
     if overwrite or not storage.exists(storage.join(store.influence_url, "zarr.json"), store.options):
         return
+    if "" in damage.damaged_nodes(store.influence_url, store.options):
+        return  # its owner cannot be read: begin_run repairs it, and every array not of this run is recomputed
     attrs = storage.open_group(store.influence_url, store.options, mode="r").attrs
     if attrs.get("run_fingerprint") != fingerprint:
         raise ConfigError(
@@ -51,9 +55,12 @@ def begin_run(store: RunStore, fingerprint: str, overwrite: bool) -> None:
     aggregation stage that rewrites part of it flags it. Stages before this write only their own content-addressed
     outputs, so a run refused for bad input leaves an earlier run as it was."""
     check_owner(store, fingerprint, overwrite)
+    repaired = damage.repair(store.influence_url, store.options)  # damaged metadata: those arrays are recomputed
     group = storage.open_group(store.influence_url, store.options, mode="a")
     if group.attrs.get("run_fingerprint") != fingerprint:
         group.attrs.put({"status": "running", "run_fingerprint": fingerprint})
+    elif repaired:
+        group.attrs["status"] = "running"
 
 
 def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
@@ -89,6 +96,7 @@ def publish(
         "report": store.url("report.png"),
         "n_train": data.n_train,
         "n_test": data.n_test,
+        "parameters": refs["fit_preconditioner"].parameters,  # which of the model's parameters the scores are over
         "stages": stages,
         "config": config,
         "code_version": CODE_VERSION,
@@ -132,6 +140,9 @@ def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
 
 def read_run(store: RunStore, n_queries: int) -> tuple[dict[str, Any], list[QueryRow]]:
     """A finished run's attributes and top-k rows; a missing or unfinished run is refused with a ConfigError."""
+    damaged = damage.damaged_nodes(store.influence_url, store.options)
+    if damaged:
+        raise ConfigError("output_url", damage.describe(store.influence_url, damaged), REPAIR_FIX)
     try:
         group = storage.open_group(store.influence_url, store.options, mode="r")
     except FileNotFoundError:

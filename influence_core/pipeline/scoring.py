@@ -125,7 +125,20 @@ def plan(
     if candidates is not None and candidates.knn_k is not None:  # FastIF: candidate scores, no self-influence
         config.update(self_influence={"mode": "off"}, candidates=candidates.model_dump(mode="json"))
     inputs = {"model": model, "data": data, "curvature": curvature, "factors": factors}
-    return StageCall("compute_influences", ScoresRef, config, inputs, store, compute.torch_threads)
+    return StageCall("compute_influences", ScoresRef, config, inputs, store, compute.torch_threads, output_bytes=output_bytes(data, aggregate))
+
+
+def output_bytes(data: DataRef, aggregate: AggregateSpec) -> int:
+    """The float32 scores and self-influences, as stored uncompressed: what compute_influences needs on disk."""
+    return 4 * data.n_test * data.n_train + (0 if aggregate.self_influence == "off" else 4 * data.n_train)
+
+
+def space_warning(store: RunStore, data: DataRef, aggregate: AggregateSpec) -> str | None:
+    """A warning when the output's disk has less free space than the scores need (None on S3 or when it fits)."""
+    needed, free = output_bytes(data, aggregate), storage.free_bytes(store.output_url)
+    if free is None or free >= needed:
+        return None
+    return f"output_url: {store.output_url} has {storage.megabytes(free)} free, but compute_influences writes {storage.megabytes(needed)} of scores: the run will fail when the disk fills. Fix: free space there or choose another output_url"
 
 
 def _self_influence_plan(job: ScoreJob, aggregate: AggregateSpec, work: Work) -> SelfInfluencePlan:

@@ -9,6 +9,7 @@ objects gone or cut short (a deleted shard, a truncated file), so damage is reco
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,9 +23,11 @@ from typing import Any, Callable, Generic, TypeVar
 import zarr
 
 from .. import storage
+from ..errors import ConfigError
 from ..refs import Ref, StageRef
 from ..threads import torch_threads
 from ..version import CODE_VERSION
+from . import damage
 from .store import RunStore
 
 R = TypeVar("R", bound=StageRef)
@@ -114,6 +117,9 @@ def output_intact(ref: Ref, recorded: dict[str, Any], options: dict[str, Any]) -
         if stamp is None or stamp[0] != recorded["size"]:
             return False
         return stamp[1] == recorded["stamp"] or storage.content_hash(ref.url, options) == recorded["sha256"]
+    hierarchies = {url[: url.index(".zarr") + len(".zarr")] for url in recorded}  # the whole hierarchy, its group's metadata too
+    if any(damage.damaged_nodes(url, options) for url in hierarchies):  # metadata cut short or overwritten, even at its size
+        return False
     try:
         node = zarr.open(store=storage.zarr_store(ref.url, options, read_only=True), mode="r")
     except (FileNotFoundError, KeyError, ValueError):
@@ -137,6 +143,7 @@ class StageCall(Generic[R]):
     inputs: dict[str, Ref]
     store: RunStore
     threads: int | None = None  # torch threads the stage computes with (None: it runs no torch arithmetic here)
+    output_bytes: int | None = None  # what the stage writes, when known beforehand (the scores): named when the disk is full
 
     @property
     def key(self) -> str:
@@ -146,6 +153,18 @@ class StageCall(Generic[R]):
     @property
     def location(self) -> StageLocation:
         return StageLocation(self.store, self.stage, self.key)
+
+    def disk_full(self, exc: OSError) -> ConfigError:
+        """A write that found the disk full, as one line naming the location's field and the space needed."""
+        where = str(exc.filename or "")
+        separate_cache = bool(self.store.storage.cache_url) and where.startswith(self.store.cache_url)
+        field, url = ("storage.cache_url", self.store.cache_url) if separate_cache else ("output_url", self.store.output_url)
+        need = f"{storage.megabytes(self.output_bytes)} for {self.stage}'s output" if self.output_bytes else f"room for {self.stage}'s output"
+        free = storage.free_bytes(url)
+        return ConfigError(
+            field, f"the disk under {url} is full ({exc.strerror or 'No space left on device'} while {self.stage} wrote{f' {where}' if where else ''}; {storage.megabytes(free or 0)} free)",
+            f"free at least {need} there, or point {field} at a disk with more space, then run again (completed stages are kept)",
+        )
 
     def existing(self) -> R | None:
         """The stored output when complete and intact; the store is the truth, not any cache in front of it."""
@@ -161,8 +180,13 @@ class StageCall(Generic[R]):
             return found
         location = self.location
         start = time.perf_counter()
-        with nullcontext() if self.threads is None else torch_threads(self.threads):
-            fields = compute(location)
+        try:
+            with nullcontext() if self.threads is None else torch_threads(self.threads):
+                fields = compute(location)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise self.disk_full(exc) from None
+            raise
         ref = self.ref_type(stage=self.stage, created_at=datetime.now(timezone.utc), seconds=time.perf_counter() - start, producer=producer(), **fields)
         location.write(ref, self.config, self.inputs)
         return ref

@@ -4,12 +4,14 @@ convention in the group attributes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import s3fs
+import torch
 import zarr
 from typer.testing import CliRunner
 
@@ -75,3 +77,13 @@ def test_arrays_name_their_axes_and_the_group_states_the_convention(finished: tu
     assert "(H + lambda I)^-1" in group.attrs["score_convention"] and "n_train" in group.attrs["score_units"]
     refs = group.attrs["refs"]
     assert refs["compute_influences"]["url"] == "influence.zarr/scores" and refs["fit_model"]["url"].startswith("stages/fit_model/")
+
+
+def test_summary_lists_the_parameters_attributed(finished: tuple[Path, dict[str, np.ndarray]]) -> None:
+    """summary.json says which parameters the scores are over, with counts equal to the stored model's."""
+    original, _ = finished
+    summary = json.loads((original / "summary.json").read_text())
+    state = torch.load(next(original.glob("stages/fit_model/*/model.pt")), weights_only=True)
+    assert summary["parameters"]["included"]["names"] == list(state)  # every trainable tensor of the MLP, none frozen
+    assert summary["parameters"]["included"]["elements"] == sum(t.numel() for t in state.values()) == 64 * 8 + 8 + 8 * 10 + 10
+    assert summary["parameters"]["frozen"]["tensors"] == summary["parameters"]["excluded"]["tensors"] == 0
