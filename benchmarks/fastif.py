@@ -79,11 +79,13 @@ def stored(root: Path, name: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
     """The run's trained model and its four data arrays."""
     from influence_core import storage
     from influence_core.pipeline.loading import load_model, open_data
-    from influence_core.refs import DataRef, ModelRef
+    from influence_core.pipeline.publish import stored_refs
+    from influence_core.pipeline.store import RunStore
 
-    refs = storage.open_group(str(root / name / "influence.zarr"), {}, mode="r").attrs["refs"]
-    model = load_model(ModelRef.model_validate(refs["fit_model"]), {})
-    arrays = open_data(DataRef.model_validate(refs["prepare_data"]), {})
+    store = RunStore(output_url=str(root / name))
+    refs = stored_refs(store, storage.open_group(store.influence_url, {}, mode="r").attrs)
+    model = load_model(refs["fit_model"], {})  # type: ignore[arg-type]
+    arrays = open_data(refs["prepare_data"], {})  # type: ignore[arg-type]
     return model, {key: torch.from_numpy(np.asarray(array[...])) for key, array in arrays.items()}
 
 

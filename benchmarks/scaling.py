@@ -109,7 +109,7 @@ def pydvl_ratio(root: Path) -> list[str]:
 
     from influence_core import storage
     from influence_core.pipeline.loading import open_data
-    from influence_core.refs import DataRef, ModelRef
+    from influence_core.pipeline.publish import stored_refs
 
     from distributed import Client, LocalCluster
 
@@ -130,11 +130,12 @@ def pydvl_ratio(root: Path) -> list[str]:
         summary = influence_run(**params.sections())
         ours = sum(summary["stages"][s]["seconds"] for s in ("fit_preconditioner", "compute_test_factors", "compute_influences"))
         group = storage.open_group(params.store().influence_url, {}, mode="r")
-        data = open_data(DataRef.model_validate(group.attrs["refs"]["prepare_data"]), {})
+        refs = stored_refs(params.store(), group.attrs)
+        data = open_data(refs["prepare_data"], {})
         arrays = {k: np.asarray(v[...]) for k, v in data.items()}
         npz, state = root / f"data{n}.npz", root / f"state{n}.pt"
         np.savez(npz, **arrays)
-        model_ref = ModelRef.model_validate(group.attrs["refs"]["fit_model"])
+        model_ref = refs["fit_model"]
         ours_state = torch.load(model_ref.url, weights_only=True)  # Sequential(Flatten, Linear, Tanh, Linear): drop the Flatten index
         torch.save({f"{int(k.split('.', 1)[0]) - 1}.{k.split('.', 1)[1]}": v for k, v in ours_state.items()}, state)
         out = subprocess.run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -19,6 +20,7 @@ from influence_core.pipeline.verify import verify_run
 from influence_core.report import QueryRow
 from influence_core.specs import StorageSpec
 
+from .interrupts import Interrupted, interruptible
 from .messages import validation_lines
 from .parameters import RunParameters
 
@@ -84,14 +86,32 @@ def print_table(rows: list[QueryRow], title: str) -> None:
     console.print(table)
 
 
+# Prefect settings for runs started here, unless the environment sets them: the temporary server of the ephemeral
+# API gets 120 s to start (Prefect's 20 s expire on a loaded machine); its telemetry, which writes to the same
+# SQLite file as the run and prints `database is locked` tracebacks when they collide, is off; the library's own log
+# lines (a long solve's progress) go to the run's logs.
+PREFECT_DEFAULTS = {
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "influence_core",
+}
+
+
 def execute(params: RunParameters) -> None:
     """Run the flow, then print the top-k table and where the outputs are."""
+    for name, value in PREFECT_DEFAULTS.items():  # before prefect is imported: its settings are read then
+        os.environ.setdefault(name, value)
+    from prefect.logging.handlers import APILogWorker
+
     from .influence_run import influence_run  # imported late: importing prefect is slow, and --help should not be
 
     try:
-        summary = influence_run(**params.sections())
+        with interruptible(before_stop=lambda: APILogWorker.drain_all(timeout=5)):  # the run's last logs reach the API before its server stops
+            summary = influence_run(**params.sections())
     except ConfigError as exc:  # bad input found by the preflight or a stage: one line, no traceback
         raise fail([str(exc)], 1) from None
+    except Interrupted as exc:  # stopped by a signal: every process the run started is gone; the stages done are kept
+        raise fail([f"run: {exc}; the processes it started are stopped and completed stages are kept. Fix: run the same command again to resume"], exc.exit_code) from None
     _, rows = read_run(params.store(), params.aggregate.report_queries)
     print_table(rows, f"Top training examples for the first {len(rows)} queries (score > 0: helpful)")
     for name, stage in summary["stages"].items():

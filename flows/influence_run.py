@@ -16,8 +16,10 @@ from influence_core.cluster import shared_clusters
 from influence_core.pipeline import publish
 from influence_core.pipeline.aggregation import check_top_k
 from influence_core.pipeline.candidates import check_knn_k
+from influence_core.pipeline.preconditioner import check_method
 from influence_core.pipeline.preflight import preflight
 from influence_core.pipeline.runlock import exclusive_run
+from influence_core.pipeline.scoring import space_warning
 from influence_core.pipeline.stage import producer
 from influence_core.pipeline.store import RunStore
 from influence_core.refs import StageRef
@@ -38,6 +40,7 @@ class StageRunner:
     """Calls stage tasks, bypassing Prefect's cache when the store no longer holds the output, and records outcomes."""
 
     def __init__(self, store: RunStore) -> None:
+        self.store = store
         self.storage = result_storage(store)
         self.started = datetime.now(timezone.utc)
         self.refs: dict[str, StageRef] = {}
@@ -47,14 +50,14 @@ class StageRunner:
         present = stage.cache_policy.planner(**inputs).existing() is not None  # type: ignore[union-attr]
         wall = time.perf_counter()
         state = stage.with_options(refresh_cache=not present, result_storage=self.storage)(**inputs, return_state=True)
-        ref: R = state.result()
+        ref: R = state.result().moved(self.store.resolve)  # stored relative to the output's root, which may have moved
         if state.name == "Cached":
             outcome = "cached"
         else:
             mine = ref.producer == producer() and ref.created_at >= self.started  # not a concurrent run's work
             outcome = "computed" if mine else "found complete"
         self.refs[stage.name] = ref
-        work = ref.model_dump(include={"work", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates"})  # what the stage did
+        work = ref.model_dump(include={"work", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters"})  # what the stage did
         self.outcomes[stage.name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
         return ref
 
@@ -102,11 +105,15 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     data = run(prepare_data, spec=params.dataset, store=store)
     check_top_k(params.aggregate, data.n_train)
     check_knn_k(params.candidates, data.n_train)
+    check_method(params.method, params.model, data)
     threads = params.compute.torch_threads
     model = run(fit_model, spec=params.model, training=params.training, data=data, store=store, threads=threads)
     curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
     factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store, threads=threads, compute=params.compute)
     publish.begin_run(store, fingerprint, params.overwrite)  # only now is influence.zarr touched: bad input found earlier leaves it as it was
+    short = space_warning(store, data, params.aggregate)
+    if short:
+        get_run_logger().warning(short)
     scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, curvature=curvature, factors=factors, store=store, candidates=params.candidates)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
     return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate)

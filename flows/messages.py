@@ -13,9 +13,39 @@ from influence_core.errors import ConfigError
 BOUNDS = {"greater_than_equal": ("ge", "{} or more"), "greater_than": ("gt", "above {}"), "less_than_equal": ("le", "{} or less"), "less_than": ("lt", "below {}")}
 
 
+WRONG_TYPE = ("_type", "_parsing")  # error kinds that only say the value is not of one union member's type
+
+
 def validation_lines(exc: ValidationError, model: type[BaseModel]) -> list[str]:
     """One line per error; values are never echoed (an endpoint URL may hold a credential)."""
-    return [_line(err, model) for err in exc.errors()]
+    return [_line(err, model) for err in _one_per_field([{**err, "loc": _without_union_members(err["loc"])} for err in exc.errors()])]
+
+
+def _without_union_members(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Pydantic names the member of a plain union it tried (`constrained-float`, `dict[str,constrained-float]`):
+    internal type names, never part of what a user writes."""
+    return tuple(part for part in loc if not (isinstance(part, str) and ("[" in part or part.startswith("constrained-") or part in ("float", "int", "str", "bool"))))
+
+
+def _one_per_field(errors: list[Any]) -> list[Any]:
+    """A value tried against each member of a union fails each: keep the failure of the member it was meant for (the
+    one that is not a mere type mismatch), or, when every member failed on type, the first."""
+    kept: list[Any] = []
+    for err in errors:
+        rivals = [other for other in errors if other is not err and _same_field(other["loc"], err["loc"])]
+        if not rivals:
+            kept.append(err)
+        elif err["type"].endswith(WRONG_TYPE):
+            if all(other["type"].endswith(WRONG_TYPE) for other in rivals) and not any(_same_field(k["loc"], err["loc"]) for k in kept):
+                kept.append(err)
+        else:
+            kept.append(err)
+    return kept
+
+
+def _same_field(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """One location lies within the other (a dict member's key is within its field)."""
+    return a[: len(b)] == b or b[: len(a)] == a
 
 
 def _line(err: Any, model: type[BaseModel]) -> str:

@@ -91,8 +91,9 @@ def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[
     choices fail with the field named."""
     modules = dict(model.named_modules())
     supported = [n for n, m in modules.items() if isinstance(m, SUPPORTED)]
+    trainable = [n for n in supported if any(t.requires_grad for t in modules[n].parameters(recurse=False))]
     if names is None:
-        chosen = supported
+        chosen = trainable  # frozen layers (requires_grad=False) are never attributed
     else:
         types = {t.__name__: t for t in SUPPORTED}
         chosen = []
@@ -107,6 +108,12 @@ def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[
         unsupported = [f"{n} ({type(modules[n]).__name__})" for n in chosen if not isinstance(modules[n], SUPPORTED)]
         if unsupported:
             raise ConfigError("method.modules", f"{unsupported} are not Linear or Conv2d", "track Linear and Conv2d modules only")
+    frozen = [n for n in chosen if n not in trainable]
+    if frozen:
+        raise ConfigError(
+            "method.modules", f"{frozen} are frozen (requires_grad=False); influence is taken over trainable parameters only",
+            f"set method.modules to trainable layers, e.g. {trainable}, or set requires_grad=True on those layers",
+        )
     for n in chosen:
         m = modules[n]
         if isinstance(m, nn.Conv2d) and (m.groups != 1 or m.padding_mode != "zeros"):
@@ -207,7 +214,7 @@ def capture(
         out = model(x)
     names = [layer.name for layer in layers]
     if any(not outputs[n].requires_grad for n in names):
-        raise ConfigError("model", "tracked layers produce outputs without gradients", "keep the tracked layers' parameters requires_grad=True")
+        raise ConfigError("method.modules", "tracked layers produce outputs without gradients", "list only layers with requires_grad=True parameters in method.modules")
     if mode == "labels":
         roots, cotangents = [loss_fn(out, y) * len(x)], [None]  # the sum over examples: each gets its own gradient
     else:

@@ -9,6 +9,29 @@ INNER_CHUNK_BYTES = 1 * 2**20  # what one read of a slice of scores pulls in
 MAX_TEST_ROWS_PER_CHUNK = 1024
 MIN_TASKS = 8  # without an explicit chunk size, at least this many tasks, so every worker of a cluster has work
 
+# What each axis of each output array counts, stored as Zarr v3 `dimension_names` so plain-zarr readers need no docs
+DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "scores": ("query", "train"),
+    "candidate_indices": ("query", "k"),
+    "candidate_scores": ("query", "k"),
+    "topk_helpful_indices": ("query", "k"),
+    "topk_helpful_scores": ("query", "k"),
+    "topk_harmful_indices": ("query", "k"),
+    "topk_harmful_scores": ("query", "k"),
+    "argmax": ("query",),
+    "self_influence": ("train",),
+    "train_totals": ("train",),
+}
+
+# The group attributes that say what a score means (DESIGN.md, "Score convention")
+SCORE_CONVENTION = {
+    "score_convention": "score[query, train] = grad loss(query)^T (H + lambda I)^-1 grad loss(train); H the Hessian or Gauss-Newton matrix of the mean training loss",
+    "score_sign": "positive = helpful: removing the training example raises the query's loss by about score / n_train (-I_up,loss of Koh & Liang 2017; pyDVL and Kronfluence use the same sign)",
+    "score_units": "the units of the query measurement (the loss by default); score / n_train approximates its change when the training example is removed",
+    "self_influence_convention": "self_influence[train] = grad loss(train)^T (H + lambda I)^-1 grad loss(train)",
+    "train_totals_convention": "train_totals[train] = sum over queries of score[query, train]",
+}
+
 
 @dataclass(frozen=True)
 class ScoreLayout:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 
 from .errors import ConfigError
-from .losses import LossFn, resolve_loss
+from .losses import LOSSES, LossFn, resolve_loss
 from .params import ParamSpace
 from .solvers import MatMat
 from .work import Work
@@ -121,6 +121,12 @@ class Objective:
                 "model.output_dim",
                 f"the model emits {out.shape[-1]} columns but the labels go up to {int(y.max())}",
                 f"give the model {int(y.max()) + 1} outputs, one per class",
+            )
+        if self.loss_fn is LOSSES["cross_entropy"] and ys.is_floating_point() and ys.shape != out.shape:
+            raise ConfigError(
+                "model.loss",
+                f"cross_entropy takes integer class indices, but the labels are {str(ys.dtype).removeprefix('torch.')}",
+                "store the labels as integers 0..C-1 (e.g. y.astype('int64')), or set model.loss to mse for real-valued targets",
             )
         try:
             value = self.loss_fn(out, ys)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+from typing_extensions import Self
 
 
 class Ref(BaseModel):
@@ -18,6 +20,10 @@ class Ref(BaseModel):
     shape: tuple[int, ...]
     dtype: str
 
+    def moved(self, move: Callable[[str], str]) -> Self:
+        """The same ref with every URL it holds passed through `move` (to make it relative to a root, or resolve it)."""
+        return self.model_copy(update={"url": move(self.url)})
+
 
 class StageRef(Ref):
     """A stage output plus when it was made, by which process, how long that took, and the work it did."""
@@ -27,6 +33,7 @@ class StageRef(Ref):
     seconds: float
     producer: str  # host:pid of the process that computed it
     work: dict[str, float] = {}  # influence_core.work.Work counters of the computation (empty when it counts none)
+    parameters: dict[str, Any] = {}  # fit_preconditioner: the parameters attributed, excluded and frozen (InfluenceFunctionModel.attributed_parameters)
 
 
 class DataRef(StageRef):
@@ -35,6 +42,9 @@ class DataRef(StageRef):
     arrays: dict[str, Ref]
     n_classes: int | None
     image_shape: tuple[int, ...] | None
+
+    def moved(self, move: Callable[[str], str]) -> Self:
+        return super().moved(move).model_copy(update={"arrays": {name: ref.moved(move) for name, ref in self.arrays.items()}})
 
     @property
     def n_train(self) -> int:

@@ -108,6 +108,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         f"- scores and aggregates: `{summary['influence']}`",
         f"- report: `{summary['report']}`",
         f"- {summary['n_test']} queries x {summary['n_train']} training examples",
+        *[f"- parameters {kind}: {group['tensors']} tensors, {group['elements']:,} elements" for kind, group in summary.get("parameters", {}).items()],
         "",
         "| stage | outcome | compute seconds | wall seconds this run |",
         "|---|---|---|---|",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -11,6 +13,40 @@ import torch
 from .errors import NumericalError
 
 MatMat = Callable[[torch.Tensor], torch.Tensor]
+
+log = logging.getLogger(__name__)
+PROGRESS_SECONDS = 30.0  # a running solve reports its iteration and residual at least this often
+CAP_PER_UNKNOWN = 10  # without method.maxiter, a solve stops after 10·p iterations and fails naming method.regularization
+
+
+class NotConverged(NumericalError):
+    """A solve that stopped short of its tolerance (at the default cap) or met non-positive curvature; carries what
+    the method needs to suggest a λ: the largest curvature seen along the search directions."""
+
+    def __init__(self, problem: str, largest_seen: float) -> None:
+        self.problem, self.largest_seen = problem, largest_seen
+        super().__init__(f"{problem}: raise method.regularization (largest curvature seen {largest_seen:.2e})")
+
+
+class Progress:
+    """Logs `iteration, systems unconverged, worst relative residual` at most every PROGRESS_SECONDS, and tracks the
+    largest Rayleigh quotient dᵀAd/dᵀd met (a lower bound of the largest eigenvalue), for the advice on failure."""
+
+    def __init__(self, name: str, maxiter: int, rhs_norms: torch.Tensor) -> None:
+        self.name, self.maxiter, self.norms = name, maxiter, rhs_norms.clamp_min(torch.finfo(rhs_norms.dtype).tiny)
+        self.last = time.monotonic()
+        self.largest = 0.0
+
+    def saw(self, directions: torch.Tensor, products: torch.Tensor) -> None:
+        """`directions` and A·`directions`, one per row."""
+        quotients = (directions * products).sum(1) / (directions * directions).sum(1).clamp_min(torch.finfo(directions.dtype).tiny)
+        self.largest = max(self.largest, float(quotients.max()))
+
+    def step(self, iteration: int, residual_norms: torch.Tensor, active: torch.Tensor) -> None:
+        if time.monotonic() - self.last >= PROGRESS_SECONDS:
+            self.last = time.monotonic()
+            worst = float((residual_norms / self.norms).max())
+            log.info("%s: iteration %d of at most %d, %d of %d systems above tolerance, worst relative residual %.2e", self.name, iteration, self.maxiter, int(active.sum()), len(active), worst)
 
 
 @dataclass(frozen=True)
@@ -36,8 +72,9 @@ def conjugate_gradient(
     unknowns (a block-Krylov method would break down there). Converged rows drop out of later products.
     """
     k, p = rhs.shape
-    maxiter = maxiter or 10 * p
+    capped, maxiter = maxiter is None, maxiter or CAP_PER_UNKNOWN * p
     precond = preconditioner or (lambda r: r)
+    progress = Progress("CG", maxiter, rhs.norm(dim=1))
     x = torch.zeros_like(rhs)
     r = rhs.clone()
     z = precond(r)
@@ -51,9 +88,10 @@ def conjugate_gradient(
         idx = active.nonzero().squeeze(1)
         products += len(idx)
         ad = matmat(d[idx])
+        progress.saw(d[idx], ad)
         curvature = (d[idx] * ad).sum(1)
         if bool((curvature <= 0).any()):
-            raise _not_positive_definite()
+            raise _not_positive_definite(progress)
         alpha = rz[idx] / curvature
         x[idx] += alpha[:, None] * d[idx]
         r[idx] -= alpha[:, None] * ad
@@ -62,20 +100,21 @@ def conjugate_gradient(
         d[idx] = z_idx + (rz_new / rz[idx])[:, None] * d[idx]
         rz[idx] = rz_new
         active[idx] = r[idx].norm(dim=1) > target[idx]
-    return x, _finish(rhs, r, active, rtol, maxiter, iterations, products)
+        progress.step(iterations, r.norm(dim=1), active)
+    return x, _finish(rhs, r, active, rtol, maxiter, iterations, products, progress if capped else None)
 
 
-def _not_positive_definite() -> NumericalError:
-    return NumericalError(
-        "CG met a direction of non-positive curvature: C + λI is not positive definite. "
-        "Raise method.regularization or use second_order_mode='gauss_newton'"
-    )
+def _not_positive_definite(progress: Progress) -> NotConverged:
+    return NotConverged("CG met a direction of non-positive curvature: C + λI is not positive definite", progress.largest)
 
 
-def _finish(rhs: torch.Tensor, residuals: torch.Tensor, active: torch.Tensor, rtol: float, maxiter: int, iterations: int, products: int) -> SolveInfo:
-    """The solve's summary; warns when some systems stopped at `maxiter` short of the tolerance."""
+def _finish(rhs: torch.Tensor, residuals: torch.Tensor, active: torch.Tensor, rtol: float, maxiter: int, iterations: int, products: int, capped: Progress | None) -> SolveInfo:
+    """The solve's summary. Systems short of the tolerance at the default cap (`capped`) fail; at a `maxiter` the
+    caller chose, they only warn."""
     relative = (residuals.norm(dim=1) / rhs.norm(dim=1).clamp_min(torch.finfo(rhs.dtype).tiny)).max().item()
     info = SolveInfo(iterations, products, relative, int(active.sum()))
+    if info.unconverged and capped is not None:
+        raise NotConverged(f"CG did not converge in {maxiter} iterations ({maxiter // len(residuals[0])}·p; worst relative residual {relative:.1e}, rtol {rtol:g})", capped.largest)
     if info.unconverged:
         warnings.warn(
             f"CG: {info.unconverged} of {len(rhs)} systems did not reach rtol={rtol} in {maxiter} iterations "
@@ -111,8 +150,9 @@ def block_conjugate_gradient(
     k is large. Search directions are orthonormalised and deflated each step (breakdown-free block CG, Ji & Li 2017);
     the products per iteration are one per independent direction, never more than min(k, p)."""
     k, p = rhs.shape
-    maxiter = maxiter or 10 * p
+    capped, maxiter = maxiter is None, maxiter or CAP_PER_UNKNOWN * p
     precond = preconditioner or (lambda r: r)
+    progress = Progress("block CG", maxiter, rhs.norm(dim=1))
     b = rhs.T  # (p, k): columns are systems
     x = torch.zeros_like(b)
     r = b.clone()
@@ -130,11 +170,13 @@ def block_conjugate_gradient(
             break
         ad = matmat(d.T.contiguous()).T
         products += d.shape[1]
+        progress.saw(d.T, ad.T)
         chol, failed = torch.linalg.cholesky_ex(0.5 * (d.T @ ad + ad.T @ d))
         if bool(failed):
-            raise _not_positive_definite()
+            raise _not_positive_definite(progress)
         alpha = torch.cholesky_solve(d.T @ r, chol)
         x += d @ alpha
         r -= ad @ alpha
         active = r.norm(dim=0) > target
-    return x.T.contiguous(), _finish(rhs, r.T, active, rtol, maxiter, iterations, products)
+        progress.step(iterations, r.norm(dim=0), active)
+    return x.T.contiguous(), _finish(rhs, r.T, active, rtol, maxiter, iterations, products, progress if capped else None)

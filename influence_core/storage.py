@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import shutil
 import socket
 import uuid
 from pathlib import Path
@@ -40,6 +41,11 @@ def validate_url(url: str, field: str = "output_url") -> str:
 def join(url: str, *parts: str) -> str:
     """Append path parts to a local path or URL."""
     return posixpath.join(url, *parts)
+
+
+def is_absolute(url: str) -> bool:
+    """A URL with a scheme or a rooted local path; anything else is relative to some root."""
+    return bool(scheme(url)) or url.startswith("/")
 
 
 def is_remote(url: str) -> bool:
@@ -128,6 +134,20 @@ def check_writable(url: str, options: dict[str, Any], field: str = "output_url")
         fs.rm(probe)
     except OSError as exc:
         raise ConfigError(field, f"cannot write to {url!r} ({exc.strerror or exc})", f"point {field} at a writable location, or make it writable") from None
+
+
+def free_bytes(url: str) -> int | None:
+    """Free space on the local disk that holds (or would hold) `url`; None for object stores, which do not fill up."""
+    if is_remote(url):
+        return None
+    path = Path(validate_url(url))
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def megabytes(size: int) -> str:
+    return f"{size / 2**20:,.1f} MB"
 
 
 def _existing_ancestor(path: Path, field: str) -> str:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
+import inspect
 import json
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import psutil
 from prefect import Task
@@ -22,6 +25,9 @@ from prefect.settings import PREFECT_HOME
 from influence_core import ConfigError, NumericalError, storage
 from influence_core.pipeline.stage import StageCall
 from influence_core.pipeline.store import RunStore
+from influence_core.refs import StageRef
+
+R = TypeVar("R", bound=StageRef)
 
 
 @dataclass
@@ -74,6 +80,19 @@ def stage_policy(planner: Callable[..., StageCall[Any]]) -> CachePolicy:
     return StagePolicy(planner=planner).configure(isolation_level="SERIALIZABLE", lock_manager=CrashSafeLockManager(lock_dir))
 
 
+def portable(stage: Callable[..., R]) -> Callable[..., R]:
+    """The stage's ref with URLs relative to the output's root: Prefect persists it beside the outputs, which may be
+    moved or copied elsewhere; the flow resolves it against the output where it is now (`RunStore.resolve`)."""
+    signature = inspect.signature(stage)
+
+    @functools.wraps(stage)
+    def relative(*args: Any, **kwargs: Any) -> R:
+        store: RunStore = signature.bind(*args, **kwargs).arguments["store"]
+        return stage(*args, **kwargs).moved(store.relative)
+
+    return relative
+
+
 def result_storage(store: RunStore) -> WritableFileSystem | Path:
     """Prefect results go beside the stage outputs, in the run's store, so any worker on any machine that shares
     the store finds a cached stage. A local store is a plain path (Prefect records absolute keys and reads them
@@ -93,6 +112,8 @@ def is_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> 
         state.result(raise_on_failure=True)
     except (ConfigError, NumericalError, ValueError, TypeError, KeyError):
         return False
+    except OSError as exc:
+        return exc.errno != errno.ENOSPC  # a full disk stays full: retrying only rewrites what fits
     except Exception:
         return True
     return False

@@ -12,29 +12,33 @@ from influence_core.pipeline.store import RunStore
 from influence_core.refs import DataRef, ModelRef, ScoresRef, StageRef
 from influence_core.specs import METHOD_CLASSES, AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec
 
-from .policy import STAGE_OPTIONS, stage_policy
+from .policy import STAGE_OPTIONS, portable, stage_policy
 from .progress import ChunkProgress
 
 
 @task(name="prepare_data", cache_policy=stage_policy(prepare.plan), **STAGE_OPTIONS)
+@portable
 def prepare_data(spec: DatasetSpec, store: RunStore) -> DataRef:
     """Dataset → row-chunked Zarr arrays with a content fingerprint."""
     return prepare.run(spec, store)
 
 
 @task(name="fit_model", cache_policy=stage_policy(training_stage.plan), **STAGE_OPTIONS)
+@portable
 def fit_model(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, threads: int) -> ModelRef:
     """Train the model (or load its checkpoint) and store its state_dict."""
     return training_stage.run(spec, training, data, store, threads)
 
 
 @task(name="fit_preconditioner", cache_policy=stage_policy(preconditioner.plan), **STAGE_OPTIONS)
+@portable
 def fit_preconditioner(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec) -> StageRef:
     """Fit the curvature state of the chosen method and store it (K-FAC factor passes run on the cluster)."""
     return preconditioner.run(method, model, data, store, compute, client_factory=lambda: dask_client(compute, METHOD_CLASSES[method.name].thread_safe))
 
 
 @task(name="compute_test_factors", cache_policy=stage_policy(factor_stage.plan), **STAGE_OPTIONS)
+@portable
 def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int, compute: ComputeSpec | None = None) -> StageRef:
     """(C + λI)⁻¹ ∇ℓ for every query, once per run; LiSSA's repeats run on the cluster (FastIF's parallel s_test)."""
     factory = None if compute is None else (lambda: dask_client(compute, METHOD_CLASSES[method.name].thread_safe))
@@ -42,6 +46,7 @@ def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, cur
 
 
 @task(name="compute_influences", cache_policy=stage_policy(scoring.plan), **STAGE_OPTIONS)
+@portable
 def compute_influences(
     compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore,
     candidates: CandidatesSpec | None = None,
@@ -56,6 +61,7 @@ def compute_influences(
 
 
 @task(name="aggregate", cache_policy=stage_policy(aggregation.plan), **STAGE_OPTIONS)
+@portable
 def aggregate(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageRef:
     """Top-k helpful and harmful, argmax and train totals, streamed over the scores."""
     return aggregation.run(spec, scores, store)

@@ -11,8 +11,8 @@ import zarr
 from flows.parameters import RunParameters
 from influence_core import storage
 from influence_core.pipeline.loading import load_model, open_data
+from influence_core.pipeline.publish import stored_refs
 from influence_core.pipeline.store import RunStore
-from influence_core.refs import DataRef, ModelRef
 
 
 def small_params(output_url: str, **overrides: Any) -> RunParameters:
@@ -51,7 +51,7 @@ def assert_same_outputs(store: RunStore, expected: dict[str, np.ndarray]) -> zar
 
 def stored_model_and_data(store: RunStore, group: zarr.Group) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The trained model and the stored arrays, read back independently of the pipeline's own loaders."""
-    refs = group.attrs["refs"]
-    model = load_model(ModelRef.model_validate(refs["fit_model"]), store.options)
-    arrays = open_data(DataRef.model_validate(refs["prepare_data"]), store.options)
+    refs = stored_refs(store, group.attrs)
+    model = load_model(refs["fit_model"], store.options)  # type: ignore[arg-type]
+    arrays = open_data(refs["prepare_data"], store.options)  # type: ignore[arg-type]
     return model, {name: torch.from_numpy(np.asarray(arr[...])) for name, arr in arrays.items()}

@@ -42,6 +42,12 @@ class BlockSolver(ABC):
         self.curvature, self.lam = curvature, lam
 
     @property
+    def second_order_mode(self) -> str | None:
+        """'hessian' or 'gauss_newton' for a block of the model's curvature; None for a projected covariance (PSD)."""
+        operator = getattr(self.curvature, "operator", None)
+        return getattr(operator, "mode", None)
+
+    @property
     def feature_dim(self) -> int:
         return self.curvature.dim
 
@@ -131,6 +137,7 @@ class InfluenceFunctionModel(ABC):
         self.query_rank = query_rank
         self.objective = Objective(model, loss, param_names)
         self.excluded_parameters = [n for n, p in model.named_parameters() if p.requires_grad and n not in self.objective.space.params]
+        self.frozen_parameters = [n for n, p in model.named_parameters() if not p.requires_grad]  # never attributed
         self.blocks = self._feature_blocks(block_structure) if self.projector else make_blocks(self.objective.space, block_structure)
         self.regularization = block_regularization(self.blocks, regularization, self.needs_positive_regularization, self.name)
         self.second_order_mode = second_order_mode
@@ -141,6 +148,13 @@ class InfluenceFunctionModel(ABC):
         self._split: GradientSplit | None = None
         self._basis: Rows | None = None
         self._fitted = False
+
+    def attributed_parameters(self) -> dict[str, dict[str, Any]]:
+        """Which of the model's parameters the scores are taken over: included, excluded (outside `modules` or the
+        method's layers) and frozen (requires_grad=False), each with its tensor names and element count."""
+        named = dict(self.objective.model.named_parameters())
+        groups = {"included": list(self.objective.space.params), "excluded": self.excluded_parameters, "frozen": self.frozen_parameters}
+        return {kind: {"tensors": len(names), "elements": sum(named[n].numel() for n in names), "names": names} for kind, names in groups.items()}
 
     @property
     def work(self):  # type: ignore[no-untyped-def]

@@ -8,7 +8,8 @@ import torch
 
 from ..blocks import BlockCurvature
 from ..lowrank import nystroem
-from ..solvers import SolveInfo, block_conjugate_gradient, conjugate_gradient
+from ..errors import RegularizationError
+from ..solvers import NotConverged, SolveInfo, block_conjugate_gradient, conjugate_gradient
 from .base import BlockSolver, InfluenceFunctionModel
 
 CgPreconditioner = Literal["none", "jacobi", "nystroem"]
@@ -55,14 +56,17 @@ class CgSolver(BlockSolver):
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
         solve = block_conjugate_gradient if self.block else conjugate_gradient
-        solution, self.last_solve = solve(
-            lambda v: self.curvature.matmat(v) + self.lam * v,
-            features,
-            rtol=self.rtol,
-            atol=self.atol,
-            maxiter=self.maxiter,
-            preconditioner=None if self.kind == "none" else self._inverse_preconditioner,
-        )
+        try:
+            solution, self.last_solve = solve(
+                lambda v: self.curvature.matmat(v) + self.lam * v,
+                features,
+                rtol=self.rtol,
+                atol=self.atol,
+                maxiter=self.maxiter,
+                preconditioner=None if self.kind == "none" else self._inverse_preconditioner,
+            )
+        except NotConverged as exc:  # λ too small for this curvature: say which λ would do, for the mode in force
+            raise RegularizationError(exc.problem, self.lam, max(10 * self.lam, 1e-3 * exc.largest_seen), self.second_order_mode) from None
         self.curvature.work.solves += len(features)
         self.curvature.work.solver_iterations += self.last_solve.iterations
         return solution
@@ -73,6 +77,7 @@ class CgInfluence(InfluenceFunctionModel):
     training data, so the data must be at hand at solve time (kept from `fit`, or given to `load_state_dict`)."""
 
     name = "cg"
+    needs_positive_regularization = True  # the curvature of a network is singular: λ = 0 leaves CG nothing to converge to
     solve_block_bytes = 2 * 2**30  # block CG: more rows per block, fewer passes over the data in all
 
     def __init__(

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from ..blocks import BlockCurvature
-from ..errors import NumericalError
+from ..errors import RegularizationError
 from .base import BlockSolver, InfluenceFunctionModel
 
 
@@ -19,10 +19,11 @@ class DirectSolver(BlockSolver):
         matrix.diagonal().add_(self.lam)
         factor, info = torch.linalg.cholesky_ex(matrix)
         if int(info) != 0:
-            smallest = torch.linalg.eigvalsh(matrix)[0].item() - self.lam
-            raise NumericalError(
-                f"C + λI is not positive definite in block {self.curvature.name!r} (smallest eigenvalue of C is {smallest:.3e}, "
-                f"λ={self.lam}). Raise method.regularization above {abs(smallest):.1e}, or use second_order_mode='gauss_newton'"
+            eigenvalues = torch.linalg.eigvalsh(matrix) - self.lam
+            smallest, largest = eigenvalues[0].item(), eigenvalues[-1].item()
+            raise RegularizationError(
+                f"C + λI is not positive definite in block {self.curvature.name!r}: the smallest eigenvalue of C is {smallest:.3e}, the largest {largest:.3e}",
+                self.lam, max(10 * abs(smallest), 1e-6 * abs(largest)), self.second_order_mode,
             )
         self.factor = factor
 

@@ -145,6 +145,7 @@ class KfacInfluence(InfluenceFunctionModel):
     """
 
     name = "kfac"
+    needs_positive_regularization = True  # factor eigenvalues reach 0 (dead units, unused inputs): λ = 0 divides by them
     eigen_correction = False
     row_order = "matrix"
 

@@ -68,6 +68,7 @@ class LissaInfluence(InfluenceFunctionModel):
     """
 
     name = "lissa"
+    needs_positive_regularization = True  # along the curvature's null space the recursion grows without bound at λ = 0
     supports_projection = False  # its stochastic steps need curvature products of single batches
 
     def __init__(

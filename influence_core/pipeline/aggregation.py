@@ -11,6 +11,7 @@ import numpy as np
 from .. import storage
 from ..aggregations import Aggregates, aggregate_candidates, aggregate_scores
 from ..errors import ConfigError, NumericalError
+from ..layout import DIMENSIONS
 from ..refs import StageRef
 from ..specs import AggregateSpec
 from .stage import StageCall, StageLocation
@@ -18,7 +19,7 @@ from .store import RunStore
 
 
 def plan(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageCall[StageRef]:
-    config = {"top_k": spec.top_k, "output_url": store.output_url}
+    config = {"top_k": spec.top_k}
     return StageCall("aggregate", StageRef, config, {"scores": scores}, store)
 
 
@@ -44,7 +45,7 @@ def _aggregate(spec: AggregateSpec, scores_ref: StageRef, store: RunStore, loc: 
         "argmax": result.helpful_indices[:, 0],
     }
     for name, values in outputs.items():
-        array = group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape, overwrite=True)
+        array = group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape, overwrite=True, dimension_names=DIMENSIONS[name])
         array[...] = values
         array.attrs["fingerprint"] = loc.key
     totals.attrs["fingerprint"] = loc.key  # last: its fingerprint marks the stage complete
@@ -55,7 +56,7 @@ def _from_scores(spec: AggregateSpec, group: Any, scores: Any) -> tuple[Aggregat
     """Streamed over the full scores; the totals go straight into their array."""
     check_top_k(spec, scores.shape[1])
     columns = (scores.shards or scores.chunks)[1]
-    totals = group.create_array("train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True)
+    totals = group.create_array("train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True, dimension_names=DIMENSIONS["train_totals"])
     with dask.config.set(scheduler="threads"):
         return aggregate_scores(da.from_zarr(scores, chunks=(scores.shape[0], columns)), spec.top_k, totals), totals
 
@@ -65,7 +66,7 @@ def _from_candidates(spec: AggregateSpec, group: Any, n_train: int) -> tuple[Agg
     indices, scores = np.asarray(group["candidate_indices"][...]), np.asarray(group["candidate_scores"][...])
     check_top_k(spec, scores.shape[1])
     result, values = aggregate_candidates(indices, scores, spec.top_k, n_train)
-    totals = group.create_array("train_totals", shape=values.shape, dtype="float32", overwrite=True)
+    totals = group.create_array("train_totals", shape=values.shape, dtype="float32", overwrite=True, dimension_names=DIMENSIONS["train_totals"])
     totals[...] = values
     return result, totals
 

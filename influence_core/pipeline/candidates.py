@@ -24,7 +24,7 @@ from distributed import Client, as_completed
 from .. import storage
 from ..candidates import build_index, candidate_entries, index_kind, module_features, nearest
 from ..errors import ConfigError, NumericalError
-from ..layout import ScoreLayout, score_layout
+from ..layout import DIMENSIONS, ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
 from ..methods.scorer import Scorer
 from ..refs import DataRef, ModelRef, ScoresRef, StageRef
@@ -76,11 +76,12 @@ _WORKERS_LOCK = threading.Lock()
 
 def _worker(job: CandidateJob) -> _Worker:
     """Load once per worker process and job (the last job only: a worker serves one run at a time)."""
+    where = f"{job.key}:{job.influence_url}"  # two outputs of the same parameters share a key, not open arrays
     with _WORKERS_LOCK:
-        if job.key not in _WORKERS:
+        if where not in _WORKERS:
             _WORKERS.clear()
-            _WORKERS[job.key] = _Worker(job)
-        return _WORKERS[job.key]
+            _WORKERS[where] = _Worker(job)
+        return _WORKERS[where]
 
 
 def _save_npy(url: str, array: np.ndarray, options: dict[str, Any]) -> None:
@@ -196,7 +197,7 @@ def _compute(job: CandidateJob, client_factory: Callable[[], Any], threads: int,
     scores = _assemble(job, candidates, needed)
     shape = candidates.shape
     for name, values in (("candidate_indices", candidates), ("candidate_scores", scores)):
-        group.create_array(name, shape=shape, chunks=(min(shape[0], 1024), shape[1]), dtype=values.dtype, overwrite=True, attributes={"job": job.key, "n_train": job.data.n_train})[...] = values
+        group.create_array(name, shape=shape, chunks=(min(shape[0], 1024), shape[1]), dtype=values.dtype, overwrite=True, attributes={"job": job.key, "n_train": job.data.n_train}, dimension_names=DIMENSIONS[name])[...] = values
     group["candidate_indices"].attrs["fingerprint"] = job.key
     group["candidate_scores"].attrs["fingerprint"] = job.key  # last: the output counts as complete from here
     return {

@@ -18,6 +18,7 @@ from distributed import Client
 from ..batches import ArrayBatches
 from ..methods import KfacInfluence
 from ..methods.kfac import Sums, factor_bases, merge
+from ..models import build_model
 from ..reduction import summed_tasks
 from ..refs import DataRef, ModelRef, StageRef
 from ..specs import ComputeSpec, MethodSpec, ModelSpec
@@ -86,6 +87,13 @@ def kronecker_factors(im: KfacInfluence, job: FactorJob, client: Client | None) 
     return im.factor_state(sums, bases, corrected)
 
 
+def check_method(method: MethodSpec, model: ModelSpec, data: DataRef) -> None:
+    """Before training: build the method around the untrained model, so that what depends only on the model's
+    structure (module names in `method.modules` or a per-layer λ, λ > 0 where the method needs it) is refused in
+    seconds, not after training."""
+    method.build(build_model(model, data), model.loss)
+
+
 def _fit(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, client_factory: Callable[[], Any], loc: StageLocation) -> dict[str, Any]:
     im = method.build(load_model(model, store.options), ModelSpec.model_validate(model.spec).loss)
     batches = train_batches(data, store.options, method.batch_size)
@@ -99,7 +107,7 @@ def _fit(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, cl
         im.fit(batches)
     url = loc.path("curvature.pt")
     save_tensors(url, im.state_dict(), store.options)
-    return {"url": url, "fingerprint": loc.key, "shape": (im.objective.space.dim,), "dtype": model.dtype, "work": im.work.as_dict()}
+    return {"url": url, "fingerprint": loc.key, "shape": (im.objective.space.dim,), "dtype": model.dtype, "work": im.work.as_dict(), "parameters": im.attributed_parameters()}
 
 
 def run(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec, client_factory: Callable[[], Any]) -> StageRef:

@@ -9,13 +9,16 @@ from typing import Any
 
 from .. import storage
 from ..errors import ConfigError
-from ..refs import DataRef, StageRef
+from ..layout import SCORE_CONVENTION
+from ..refs import DataRef, ModelRef, StageRef
 from ..report import QueryRow, render_report, topk_rows
 from ..version import CODE_VERSION
+from . import damage
 from .loading import open_data
 from .store import RunStore
 
 SCHEMA_VERSION = 1
+REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
 PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
 
 
@@ -34,6 +37,8 @@ def check_owner(store: RunStore, fingerprint: str, overwrite: bool) -> None:
     mixes arrays of two configurations. Reads only; nothing is written before this passes."""
     if overwrite or not storage.exists(storage.join(store.influence_url, "zarr.json"), store.options):
         return
+    if "" in damage.damaged_nodes(store.influence_url, store.options):
+        return  # its owner cannot be read: begin_run repairs it, and every array not of this run is recomputed
     attrs = storage.open_group(store.influence_url, store.options, mode="r").attrs
     if attrs.get("run_fingerprint") != fingerprint:
         raise ConfigError(
@@ -50,9 +55,12 @@ def begin_run(store: RunStore, fingerprint: str, overwrite: bool) -> None:
     aggregation stage that rewrites part of it flags it. Stages before this write only their own content-addressed
     outputs, so a run refused for bad input leaves an earlier run as it was."""
     check_owner(store, fingerprint, overwrite)
+    repaired = damage.repair(store.influence_url, store.options)  # damaged metadata: those arrays are recomputed
     group = storage.open_group(store.influence_url, store.options, mode="a")
     if group.attrs.get("run_fingerprint") != fingerprint:
         group.attrs.put({"status": "running", "run_fingerprint": fingerprint})
+    elif repaired:
+        group.attrs["status"] = "running"
 
 
 def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
@@ -89,20 +97,22 @@ def publish(
         "report": store.url("report.png"),
         "n_train": data.n_train,
         "n_test": data.n_test,
+        "parameters": refs["fit_preconditioner"].parameters,  # which of the model's parameters the scores are over
         "stages": stages,
         "config": config,
         "code_version": CODE_VERSION,
         "versions": package_versions(),
     }
-    storage.write_json(store.url("summary.json"), summary, store.options)
+    storage.write_json(store.url("summary.json"), portable_summary(store, summary), store.options)
     prune(store, refs)
     group = storage.open_group(store.influence_url, store.options, mode="a")
     group.attrs.update(
         {
             "schema_version": SCHEMA_VERSION,
-            "config": config,
+            **SCORE_CONVENTION,
+            "config": portable_config(config),
             "fingerprints": {name: ref.fingerprint for name, ref in refs.items()},
-            "refs": {name: ref.model_dump(mode="json") for name, ref in refs.items()},
+            "refs": {name: ref.moved(store.relative).model_dump(mode="json") for name, ref in refs.items()},
             "versions": summary["versions"],
             "stage_timings": {name: stage["seconds"] for name, stage in stages.items()},
         }
@@ -111,8 +121,29 @@ def publish(
     return summary, rows
 
 
+def portable_summary(store: RunStore, summary: dict[str, Any]) -> dict[str, Any]:
+    """summary.json as stored: every location relative to the output's root, so a moved or copied output stays
+    right; the flow returns the absolute form to its caller."""
+    stages = {name: {**stage, "url": store.relative(stage["url"])} for name, stage in summary["stages"].items()}
+    return {**summary, "output_url": ".", "influence": store.relative(summary["influence"]), "report": store.relative(summary["report"]), "stages": stages, "config": portable_config(summary["config"])}
+
+
+def portable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The parameters as recorded inside the output: `output_url` is the output's own root, '.'."""
+    return {**config, "output_url": "."} if "output_url" in config else config
+
+
+def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
+    """The stage refs a published run records, resolved against where the output is now."""
+    types = {"prepare_data": DataRef, "fit_model": ModelRef}
+    return {name: types.get(name, StageRef).model_validate(ref).moved(store.resolve) for name, ref in attrs["refs"].items()}
+
+
 def read_run(store: RunStore, n_queries: int) -> tuple[dict[str, Any], list[QueryRow]]:
     """A finished run's attributes and top-k rows; a missing or unfinished run is refused with a ConfigError."""
+    damaged = damage.damaged_nodes(store.influence_url, store.options)
+    if damaged:
+        raise ConfigError("output_url", damage.describe(store.influence_url, damaged), REPAIR_FIX)
     try:
         group = storage.open_group(store.influence_url, store.options, mode="r")
     except FileNotFoundError:
@@ -120,5 +151,6 @@ def read_run(store: RunStore, n_queries: int) -> tuple[dict[str, Any], list[Quer
     status = group.attrs.get("status")
     if status != "complete":
         raise ConfigError("output_url", f"the run at {store.output_url!r} is not complete (status={status!r})", "run it again with the same parameters to finish it")
-    data = DataRef.model_validate(group.attrs["refs"]["prepare_data"])
+    data = stored_refs(store, group.attrs)["prepare_data"]
+    assert isinstance(data, DataRef)
     return dict(group.attrs), query_rows(store, data, n_queries)

@@ -1,6 +1,6 @@
 """One run at a time per output_url: an exclusive lock object beside the outputs, held for the whole run.
 
-Locally it is `fcntl.flock` on `{output_url}/run.lock`: the kernel releases it when the holder exits, even on
+Locally it is `fcntl.flock` on `{output_url}/run.lock` (an empty file): the kernel releases it when the holder exits, even on
 SIGKILL. On S3 it is an object created with a conditional put (If-None-Match: *) that records the holder's host,
 pid and process start time; a holder on this host that no longer runs is broken with a conditional delete
 (If-Match: its ETag), so a run resumed after SIGKILL does not wait for its dead predecessor. A holder on another
@@ -85,9 +85,13 @@ def _held_s3(url: str, options: dict[str, Any], on_wait: Notify) -> Iterator[Non
             pass
         try:
             body, held = fsspec.asyn.sync(fs.loop, _get, fs, bucket, key)
-            holder = json.loads(body)
         except FileNotFoundError:
             continue  # released meanwhile
+        if not body:  # a local output's empty flock file, copied here with the output (`aws s3 sync`): no run holds it
+            _delete(fs, bucket, key, held)
+            continue
+        try:
+            holder = json.loads(body)
         except ValueError:
             holder = {}  # written by something else than this module: never presumed dead
         if _gone(holder):

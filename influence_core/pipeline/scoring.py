@@ -23,7 +23,7 @@ from distributed import Client, as_completed
 
 from .. import storage
 from ..errors import ConfigError
-from ..layout import ScoreLayout, score_layout
+from ..layout import DIMENSIONS, ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
 from ..methods.scorer import Scorer
 from ..models import load_state
@@ -76,13 +76,15 @@ _SCORERS_LOCK = threading.Lock()
 
 
 def _scorer(job: ScoreJob) -> _Scorer:
-    """Load once per worker process and job; later tasks of the same job reuse it."""
+    """Load once per worker process and job; later tasks of the same job reuse it. Keyed by the job and where it
+    writes: two outputs of the same parameters share a key but never a scorer's open arrays."""
+    where = f"{job.key}:{job.influence_url}"
     with _SCORERS_LOCK:
-        if job.key not in _SCORERS:
-            _SCORERS[job.key] = _Scorer(job)
+        if where not in _SCORERS:
+            _SCORERS[where] = _Scorer(job)
             while len(_SCORERS) > 2:
                 _SCORERS.popitem(last=False)
-        return _SCORERS[job.key]
+        return _SCORERS[where]
 
 
 def score_chunk(job: ScoreJob, index: int) -> dict[str, float]:
@@ -115,7 +117,6 @@ def plan(
     candidates: CandidatesSpec | None = None,
 ) -> StageCall[ScoresRef]:
     config: dict[str, Any] = {
-        "output_url": store.output_url,
         "train_chunk_rows": compute.train_chunk_rows,
         "target_shard_mb": compute.target_shard_mb,
         "method": method.model_dump(mode="json"),
@@ -124,7 +125,20 @@ def plan(
     if candidates is not None and candidates.knn_k is not None:  # FastIF: candidate scores, no self-influence
         config.update(self_influence={"mode": "off"}, candidates=candidates.model_dump(mode="json"))
     inputs = {"model": model, "data": data, "curvature": curvature, "factors": factors}
-    return StageCall("compute_influences", ScoresRef, config, inputs, store, compute.torch_threads)
+    return StageCall("compute_influences", ScoresRef, config, inputs, store, compute.torch_threads, output_bytes=output_bytes(data, aggregate))
+
+
+def output_bytes(data: DataRef, aggregate: AggregateSpec) -> int:
+    """The float32 scores and self-influences, as stored uncompressed: what compute_influences needs on disk."""
+    return 4 * data.n_test * data.n_train + (0 if aggregate.self_influence == "off" else 4 * data.n_train)
+
+
+def space_warning(store: RunStore, data: DataRef, aggregate: AggregateSpec) -> str | None:
+    """A warning when the output's disk has less free space than the scores need (None on S3 or when it fits)."""
+    needed, free = output_bytes(data, aggregate), storage.free_bytes(store.output_url)
+    if free is None or free >= needed:
+        return None
+    return f"output_url: {store.output_url} has {storage.megabytes(free)} free, but compute_influences writes {storage.megabytes(needed)} of scores: the run will fail when the disk fills. Fix: free space there or choose another output_url"
 
 
 def _self_influence_plan(job: ScoreJob, aggregate: AggregateSpec, work: Work) -> SelfInfluencePlan:
@@ -150,9 +164,9 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
         return group
     storage.remove(job.markers_url, job.options)
     layout = job.layout
-    group.create_array("scores", shape=(layout.n_test, layout.n_train), chunks=layout.chunk, shards=layout.shard, dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key})
+    group.create_array("scores", shape=(layout.n_test, layout.n_train), chunks=layout.chunk, shards=layout.shard, dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["scores"])
     if with_self_influence:
-        group.create_array("self_influence", shape=(layout.n_train,), chunks=(layout.train_rows,), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key})
+        group.create_array("self_influence", shape=(layout.n_train,), chunks=(layout.train_rows,), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["self_influence"])
     elif "self_influence" in group:
         del group["self_influence"]  # a self-influence of another configuration must not survive beside these scores
     return group

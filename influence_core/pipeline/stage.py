@@ -9,6 +9,7 @@ objects gone or cut short (a deleted shard, a truncated file), so damage is reco
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,9 +23,11 @@ from typing import Any, Callable, Generic, TypeVar
 import zarr
 
 from .. import storage
+from ..errors import ConfigError
 from ..refs import Ref, StageRef
 from ..threads import torch_threads
 from ..version import CODE_VERSION
+from . import damage
 from .store import RunStore
 
 R = TypeVar("R", bound=StageRef)
@@ -47,11 +50,12 @@ def stage_key(stage: str, config: dict[str, Any], inputs: dict[str, Ref]) -> str
 
 
 class StageLocation:
-    """The directory of one stage run, and its manifest."""
+    """The directory of one stage run, and its manifest. The manifest records URLs relative to the output's root
+    (`RunStore.relative`), so an output that is moved or copied elsewhere still finds its stages complete."""
 
-    def __init__(self, cache_url: str, stage: str, key: str, options: dict[str, Any]) -> None:
-        self.stage, self.key, self.options = stage, key, options
-        self.url = storage.join(cache_url, stage, key)
+    def __init__(self, store: RunStore, stage: str, key: str) -> None:
+        self.store, self.stage, self.key, self.options = store, stage, key, store.options
+        self.url = storage.join(store.cache_url, stage, key)
 
     def path(self, name: str) -> str:
         return storage.join(self.url, name)
@@ -64,20 +68,23 @@ class StageLocation:
         """The recorded output if the stage is complete and its output intact, else None."""
         try:
             manifest = storage.read_json(self.manifest_url, self.options)
-        except (FileNotFoundError, ValueError):  # absent, or being written by a concurrent run
+            ref = ref_type.model_validate(manifest["output"]).moved(self.store.resolve)
+            recorded = {self.store.resolve(url) if ".zarr" in ref.url else url: entry for url, entry in manifest["inventory"].items()}
+        except (FileNotFoundError, ValueError, KeyError, TypeError):  # absent, damaged, or being written by a concurrent run
             return None
-        ref = ref_type.model_validate(manifest["output"])
-        return ref if output_intact(ref, manifest["inventory"], self.options) else None
+        return ref if output_intact(ref, recorded, self.options) else None
 
     def write(self, ref: StageRef, arguments: dict[str, Any], inputs: dict[str, Ref]) -> None:
+        relative = self.store.relative
+        recorded = inventory(ref, self.options)
         manifest = {
             "stage": self.stage,
             "key": self.key,
             "code_version": CODE_VERSION,
             "arguments": arguments,
-            "inputs": {name: r.model_dump(mode="json") for name, r in inputs.items()},
-            "output": ref.model_dump(mode="json"),
-            "inventory": inventory(ref, self.options),
+            "inputs": {name: r.moved(relative).model_dump(mode="json") for name, r in inputs.items()},
+            "output": ref.moved(relative).model_dump(mode="json"),
+            "inventory": {relative(url) if ".zarr" in ref.url else url: entry for url, entry in recorded.items()},
         }
         storage.write_json(self.manifest_url, manifest, self.options)
 
@@ -110,6 +117,9 @@ def output_intact(ref: Ref, recorded: dict[str, Any], options: dict[str, Any]) -
         if stamp is None or stamp[0] != recorded["size"]:
             return False
         return stamp[1] == recorded["stamp"] or storage.content_hash(ref.url, options) == recorded["sha256"]
+    hierarchies = {url[: url.index(".zarr") + len(".zarr")] for url in recorded}  # the whole hierarchy, its group's metadata too
+    if any(damage.damaged_nodes(url, options) for url in hierarchies):  # metadata cut short or overwritten, even at its size
+        return False
     try:
         node = zarr.open(store=storage.zarr_store(ref.url, options, read_only=True), mode="r")
     except (FileNotFoundError, KeyError, ValueError):
@@ -133,15 +143,28 @@ class StageCall(Generic[R]):
     inputs: dict[str, Ref]
     store: RunStore
     threads: int | None = None  # torch threads the stage computes with (None: it runs no torch arithmetic here)
+    output_bytes: int | None = None  # what the stage writes, when known beforehand (the scores): named when the disk is full
 
     @property
     def key(self) -> str:
         pinned = {} if self.threads is None else {"torch_threads": self.threads}
-        return stage_key(self.stage, {**self.config, **pinned, "cache_url": self.store.cache_url}, self.inputs)
+        return stage_key(self.stage, {**self.config, **pinned}, self.inputs)  # never where the output lives: a moved output keeps its keys
 
     @property
     def location(self) -> StageLocation:
-        return StageLocation(self.store.cache_url, self.stage, self.key, self.store.options)
+        return StageLocation(self.store, self.stage, self.key)
+
+    def disk_full(self, exc: OSError) -> ConfigError:
+        """A write that found the disk full, as one line naming the location's field and the space needed."""
+        where = str(exc.filename or "")
+        separate_cache = bool(self.store.storage.cache_url) and where.startswith(self.store.cache_url)
+        field, url = ("storage.cache_url", self.store.cache_url) if separate_cache else ("output_url", self.store.output_url)
+        need = f"{storage.megabytes(self.output_bytes)} for {self.stage}'s output" if self.output_bytes else f"room for {self.stage}'s output"
+        free = storage.free_bytes(url)
+        return ConfigError(
+            field, f"the disk under {url} is full ({exc.strerror or 'No space left on device'} while {self.stage} wrote{f' {where}' if where else ''}; {storage.megabytes(free or 0)} free)",
+            f"free at least {need} there, or point {field} at a disk with more space, then run again (completed stages are kept)",
+        )
 
     def existing(self) -> R | None:
         """The stored output when complete and intact; the store is the truth, not any cache in front of it."""
@@ -157,8 +180,13 @@ class StageCall(Generic[R]):
             return found
         location = self.location
         start = time.perf_counter()
-        with nullcontext() if self.threads is None else torch_threads(self.threads):
-            fields = compute(location)
+        try:
+            with nullcontext() if self.threads is None else torch_threads(self.threads):
+                fields = compute(location)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise self.disk_full(exc) from None
+            raise
         ref = self.ref_type(stage=self.stage, created_at=datetime.now(timezone.utc), seconds=time.perf_counter() - start, producer=producer(), **fields)
         location.write(ref, self.config, self.inputs)
         return ref

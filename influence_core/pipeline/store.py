@@ -38,6 +38,15 @@ class RunStore(BaseModel):
     def url(self, name: str) -> str:
         return storage.join(self.output_url, name)
 
+    def relative(self, url: str) -> str:
+        """`url` relative to the output's root when it lies inside it (so the output can be moved or copied), else as is."""
+        root = self.output_url.rstrip("/") + "/"
+        return url.removeprefix(root) if url.startswith(root) else url
+
+    def resolve(self, url: str) -> str:
+        """The inverse of `relative`: a relative URL is taken from the output's root; an absolute one stays."""
+        return url if storage.is_absolute(url) else storage.join(self.output_url, url)
+
     def check(self) -> None:
         """Fail early when a bucket is missing or unreachable."""
         storage.check_writable(self.output_url, self.options, "output_url")

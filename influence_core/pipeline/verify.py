@@ -13,6 +13,7 @@ import numpy as np
 import zarr
 
 from .. import storage
+from . import damage
 from .store import RunStore
 
 RTOL = 1e-5  # float32 scores: stored aggregates may differ from a recomputation by a few ulps
@@ -45,6 +46,9 @@ def expected_arrays(n_test: int, n_train: int, k: int, knn_k: int | None = None)
 
 def verify_run(store: RunStore) -> list[Check]:
     """Every check of the run at `store`; the run is sound when all pass."""
+    damaged = damage.damaged_nodes(store.influence_url, store.options)
+    if damaged:
+        return [Check("metadata", False, damage.describe(store.influence_url, damaged)), _summary(store)]
     try:
         group = storage.open_group(store.influence_url, store.options, mode="r")
     except FileNotFoundError:
@@ -88,6 +92,10 @@ def _summary(store: RunStore) -> Check:
         summary = storage.read_json(store.url("summary.json"), store.options)
     except FileNotFoundError:
         return Check("summary.json", False, "missing")
+    except ValueError as exc:
+        return Check("summary.json", False, f"damaged ({str(exc).splitlines()[0][:160]})")
+    if not isinstance(summary, dict):
+        return Check("summary.json", False, "damaged (not a JSON object)")
     return Check("summary.json", summary.get("status") == "complete", f"status={summary.get('status')!r}")
 
 

@@ -189,9 +189,16 @@ PARAMETER_CASES = [
     invalid("dataset file missing", set_in("dataset", {"source": "npz", "path": "/no/such/data.npz"}), "dataset.path", "does not exist"),
     invalid("dotted path malformed", set_in("dataset", {"source": "torch", "path": "not a module path"}), "dataset.path", "package.module:factory"),
     invalid("scheduler address missing", set_in("compute", {"cluster": "address"}), "compute.address", "tcp://"),
+    invalid("negative λ", set_in("method.regularization", -1.0), "method.regularization", "Fix: set method.regularization to 0.0 or more"),  # no internal type names
+    invalid("negative λ of one layer", set_in("method.regularization", {"1": 1e-3, "3": -1.0}), "method.regularization.3", "Fix: set method.regularization.3 to 0.0 or more"),
 ]
 
 RUNTIME_CASES = [
+    Case("float labels with cross_entropy", lambda c, p: npz_dataset(c, p, y_train=(np.arange(120) % 10).astype(np.float32), y_test=(np.arange(12) % 10).astype(np.float32)),
+         "model.loss", ("cross_entropy takes integer class indices", "float32", "mse"), ["prepare_data", "fit_model"]),
+    Case("λ per layer naming an unknown layer", set_in("method", {"name": "direct", "block_structure": "layer_wise", "regularization": {"1": 1e-3, "3": 1e-3, "9": 1e-3}}),
+         "method.regularization", ("unknown ['9']",), ["prepare_data"]),  # before training
+    Case("λ = 0 where the method needs λ > 0", set_in("method", {"name": "cg", "regularization": 0.0}), "method.regularization", ("cg got λ=0.0", "> 0"), ["prepare_data"]),
     Case("NaN features", with_nan("x_train", 7, np.nan), "dataset.path", ("x_train", "NaN or inf", "row 7"), ["prepare_data"]),
     Case("inf query features", with_nan("x_test", 2, np.inf), "dataset.path", ("x_test", "row 2"), ["prepare_data"]),
     Case("negative labels", lambda c, p: npz_dataset(c, p, y_train=np.arange(120) % 10 - 1), "dataset.path", ("negative label -1", "0..C-1"), ["prepare_data"]),

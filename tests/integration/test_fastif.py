@@ -13,9 +13,10 @@ from influence_core import storage
 from influence_core.candidates import knn_candidates
 from influence_core.cluster import dask_client
 from influence_core.pipeline import factors as factor_stage
+from influence_core.pipeline.publish import stored_refs
 from influence_core.pipeline.store import RunStore
 from influence_core.pipeline.verify import verify_run
-from influence_core.refs import DataRef, ModelRef, StageRef
+from influence_core.refs import DataRef, ModelRef
 from influence_core.specs import ComputeSpec
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 
@@ -101,8 +102,9 @@ def test_parallel_lissa_repeats_give_the_same_factors_on_any_cluster(tmp_path, d
     assert stage["outcome"] == "computed" and stage["work"]["solves"] == 12 and stage["work"]["solver_iterations"] == 4 * 20
     sequential = np.asarray(storage.open_array(stage["url"], {})[...])
     group, _ = read_outputs(params.store())
-    refs = {name: group.attrs["refs"][name] for name in ("fit_model", "prepare_data", "fit_preconditioner")}
-    model_ref, data_ref, curvature = ModelRef.model_validate(refs["fit_model"]), DataRef.model_validate(refs["prepare_data"]), StageRef.model_validate(refs["fit_preconditioner"])
+    refs = stored_refs(params.store(), group.attrs)
+    model_ref, data_ref, curvature = refs["fit_model"], refs["prepare_data"], refs["fit_preconditioner"]
+    assert isinstance(model_ref, ModelRef) and isinstance(data_ref, DataRef)
     elsewhere = RunStore(output_url=str(tmp_path / "other"))  # a fresh stage cache: computed again, on the cluster
     on_cluster = ComputeSpec(cluster="address", address=dask_address)
     ref = factor_stage.run(params.method, model_ref, data_ref, curvature, elsewhere, params.compute.torch_threads, client_factory=lambda: dask_client(on_cluster, False))

@@ -1,5 +1,6 @@
 """Faults a run survives: an S3 endpoint that drops connections mid-run, and stage outputs that are partly gone
-(a deleted score shard, truncated files and chunks) which are detected and recomputed, never served stale or NaN."""
+(a deleted score shard, truncated files and chunks, damaged Zarr metadata) which are detected and recomputed, never
+served stale or NaN; show and verify name damaged metadata in one line."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 
 import pytest
 import s3fs
+import yaml
+from typer.testing import CliRunner
 
+from flows.cli import app
 from flows.influence_run import influence_run
 from influence_core import storage
 from influence_core.specs import StorageSpec
@@ -97,23 +101,36 @@ def _scramble(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
-# (what is damaged, relative to the output directory; how; the stage that must compute again)
+def _garbage(path: Path) -> None:
+    """Not JSON at all, of the same size: only parsing the metadata can tell."""
+    path.write_bytes(b"#" * path.stat().st_size)
+
+
+# (what is damaged, relative to the output directory; how; the stage that must compute again (None: no stage, the
+# metadata is rewritten); how many train chunks compute_influences redoes)
 DAMAGE = {
-    "score shard deleted": ("influence.zarr/scores/c/0/1", Path.unlink, "compute_influences"),
-    "self-influence chunk deleted": ("influence.zarr/self_influence/c/2", Path.unlink, "compute_influences"),
-    "model.pt truncated": ("stages/fit_model/*/model.pt", _truncate, "fit_model"),
-    "model.pt overwritten in place": ("stages/fit_model/*/model.pt", _scramble, "fit_model"),
-    "curvature.pt truncated": ("stages/fit_preconditioner/*/curvature.pt", _truncate, "fit_preconditioner"),
-    "query factors chunk truncated": ("stages/compute_test_factors/*/factors.zarr/factors/c/0/0", _truncate, "compute_test_factors"),
-    "training data chunk deleted": ("stages/prepare_data/*/data.zarr/x_train/c/1/0", Path.unlink, "prepare_data"),
-    "top-k array chunk deleted": ("influence.zarr/topk_harmful_scores/c/0/0", Path.unlink, "aggregate"),
+    "score shard deleted": ("influence.zarr/scores/c/0/1", Path.unlink, "compute_influences", 1),
+    "self-influence chunk deleted": ("influence.zarr/self_influence/c/2", Path.unlink, "compute_influences", 1),
+    "model.pt truncated": ("stages/fit_model/*/model.pt", _truncate, "fit_model", 0),
+    "model.pt overwritten in place": ("stages/fit_model/*/model.pt", _scramble, "fit_model", 0),
+    "curvature.pt truncated": ("stages/fit_preconditioner/*/curvature.pt", _truncate, "fit_preconditioner", 0),
+    "query factors chunk truncated": ("stages/compute_test_factors/*/factors.zarr/factors/c/0/0", _truncate, "compute_test_factors", 0),
+    "training data chunk deleted": ("stages/prepare_data/*/data.zarr/x_train/c/1/0", Path.unlink, "prepare_data", 0),
+    "top-k array chunk deleted": ("influence.zarr/topk_harmful_scores/c/0/0", Path.unlink, "aggregate", 0),
+    "scores metadata garbage": ("influence.zarr/scores/zarr.json", _garbage, "compute_influences", 4),
+    "scores metadata truncated": ("influence.zarr/scores/zarr.json", _truncate, "compute_influences", 4),
+    "top-k metadata garbage": ("influence.zarr/topk_helpful_scores/zarr.json", _garbage, "aggregate", 0),
+    "group metadata garbage": ("influence.zarr/zarr.json", _garbage, None, 0),
+    "group metadata truncated": ("influence.zarr/zarr.json", _truncate, None, 0),
+    "training data metadata garbage": ("stages/prepare_data/*/data.zarr/x_train/zarr.json", _garbage, "prepare_data", 0),
+    "query factors group metadata truncated": ("stages/compute_test_factors/*/factors.zarr/zarr.json", _truncate, "compute_test_factors", 0),
 }
 
 
 @pytest.mark.usefixtures("prefect_api")
 @pytest.mark.parametrize("case", DAMAGE)
 def test_damaged_output_is_detected_and_recomputed(case, tmp_path):
-    pattern, damage, stage = DAMAGE[case]
+    pattern, damage, stage, chunks = DAMAGE[case]
     params = small_params(str(tmp_path / "run"))
     influence_run(**params.sections())
     _, expected = read_outputs(params.store())
@@ -122,11 +139,12 @@ def test_damaged_output_is_detected_and_recomputed(case, tmp_path):
 
     summary = influence_run(**params.sections())
     outcomes = {name: s["outcome"] for name, s in summary["stages"].items()}
-    assert outcomes.pop(stage) == "computed"
+    if stage is not None:
+        assert outcomes.pop(stage) == "computed"
     assert set(outcomes.values()) <= {"cached", "found complete"}  # only the damaged stage ran again
     if stage == "compute_influences":
-        assert summary["stages"][stage]["chunks_computed"] == 1  # the chunk whose shard was gone, despite its marker
-        assert summary["stages"][stage]["gradient_rows"] == 64
+        assert summary["stages"][stage]["chunks_computed"] == chunks  # the chunk whose shard was gone, despite its marker (all: the array's metadata)
+        assert summary["stages"][stage]["gradient_rows"] == 64 * chunks - 16 * (chunks == 4)  # 240 rows in chunks of 64
     assert assert_same_outputs(params.store(), expected).attrs["status"] == "complete"  # identical, never NaN or stale
 
 
@@ -147,3 +165,25 @@ def test_damage_on_s3_is_detected_and_recomputed(s3_endpoint, s3_bucket):
     assert set(outcomes.values()) <= {"cached", "found complete"}
     assert summary["stages"]["compute_influences"]["chunks_computed"] == 1
     assert_same_outputs(params.store(), expected)
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.parametrize("node", ["influence.zarr/zarr.json", "influence.zarr/scores/zarr.json", "influence.zarr/argmax/zarr.json"])
+def test_damaged_metadata_is_one_line_in_show_and_verify_and_overwrite_works(node, tmp_path):
+    """show and verify name the damaged file in one line, without a traceback; --overwrite replaces the run."""
+    params = small_params(str(tmp_path / "run"))
+    influence_run(**params.sections())
+    _, expected = read_outputs(params.store())
+    _garbage(tmp_path / "run" / node)
+    runner = CliRunner()
+    for command in (["show", str(tmp_path / "run")], ["verify", str(tmp_path / "run")]):
+        result = runner.invoke(app, command, terminal_width=400)
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert f"{node} is damaged" in result.output
+        assert result.output.strip().splitlines()[-1].startswith("output_url: ")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    result = runner.invoke(app, ["run", "--config", str(config), "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert assert_same_outputs(params.store(), expected).attrs["status"] == "complete"
+    assert runner.invoke(app, ["verify", str(tmp_path / "run")]).exit_code == 0

@@ -1,0 +1,109 @@
+"""SIGINT, SIGTERM and SIGHUP stop a CLI run cleanly: the run unwinds (Prefect marks it crashed, the Dask cluster
+closes), every process the run started (the temporary Prefect server, Dask nannies and workers) is ended, and the
+command exits 128 + the signal's number, never 0.
+
+Without this, SIGTERM ends Python without unwinding: Prefect's SIGTERM bridge raises `TerminationSignal`, then
+re-sends SIGTERM to the default handler, so `atexit`, which stops the temporary server, never runs and the server
+is orphaned. A signal whose exception is swallowed (raised inside a finaliser: "Exception ignored ...") is still
+seen through the wakeup fd, so an interrupted run never reports success.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import psutil
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GRACE_SECONDS = 5.0  # how long the processes the run started get to exit after SIGTERM, before SIGKILL
+
+
+class Interrupted(BaseException):
+    """The run was stopped by a signal; a BaseException, like KeyboardInterrupt, so no `except Exception` eats it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class _Received:
+    """The signals seen so far; only the first raises, so a second Ctrl-C does not break the clean-up."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.signals.append(signum)
+        if len(self.signals) == 1:
+            raise Interrupted(signum)
+
+
+@contextmanager
+def interruptible(before_stop: Callable[[], object] = lambda: None) -> Iterator[None]:
+    """Run the block so that SIGINT, SIGTERM or SIGHUP raise `Interrupted`, and on the way out call `before_stop`
+    (e.g. send the last logs to the API server), then end every process started inside it that is still alive.
+    Only in the main thread (signal handlers live there)."""
+    me = psutil.Process()
+    before = {child.pid for child in me.children(recursive=True)}  # not ours to stop (e.g. a test's own cluster)
+    received = _Received()
+    previous = {signum: signal.signal(signum, received) for signum in SIGNALS}
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    previous_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+    try:
+        yield
+        swallowed = _drain(wake_read)
+        if received.signals or swallowed:
+            raise Interrupted((received.signals or swallowed)[0])
+    except Interrupted:
+        try:
+            before_stop()
+        finally:
+            stop_started(me, before)
+        raise
+    finally:
+        signal.set_wakeup_fd(previous_wakeup)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        os.close(wake_read)
+        os.close(wake_write)
+
+
+def _drain(fd: int) -> list[int]:
+    """The numbers of the signals of SIGNALS written to the wakeup fd so far."""
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(fd, 512)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    return [signum for signum in seen if signum in SIGNALS]
+
+
+def stop_started(me: psutil.Process, before: set[int]) -> None:
+    """SIGTERM to every descendant not in `before`, SIGKILL to those still alive after GRACE_SECONDS."""
+    started = [child for child in me.children(recursive=True) if child.pid not in before]
+    for child in started:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(started, timeout=GRACE_SECONDS)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=GRACE_SECONDS)
