@@ -13,10 +13,10 @@ from torch import nn
 from . import storage
 from .batches import ArrayBatches
 from .errors import ConfigError
-from .losses import resolve_loss
 from .objective import Objective
 from .refs import DataRef
 from .specs import ModelSpec, TrainingSpec
+from .task import resolve_task
 
 
 def output_width(spec: ModelSpec, data: DataRef) -> int:
@@ -46,8 +46,8 @@ def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: 
     Each epoch visits blocks of rows in a seeded random order and shuffles within each block, so only one block is
     in memory at a time (a full shuffle for data of up to SHUFFLE_BLOCK_ROWS rows).
     """
-    loss_fn = resolve_loss(spec.loss)
-    objective = Objective(model, spec.loss)
+    task = resolve_task(spec.loss)
+    objective = Objective(model, task)
     optimiser = torch.optim.Adam(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
     generator = torch.Generator().manual_seed(training.seed)
     blocks = ArrayBatches(x, y, SHUFFLE_BLOCK_ROWS)
@@ -60,14 +60,14 @@ def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: 
             for start in range(0, len(ys), training.batch_size):
                 idx = order[start : start + training.batch_size]
                 optimiser.zero_grad()
-                loss_fn(model(xs[idx]), ys[idx]).backward()
+                task.mean_loss(task.output(model(xs[idx])), ys[idx]).backward()
                 optimiser.step()
     model.eval()
     total = 0.0
     with torch.no_grad():
         for xb, yb in blocks:
             xb, yb = objective.to_model(xb, yb)
-            total += float(loss_fn(model(xb), yb)) * len(yb)
+            total += float(task.mean_loss(task.output(model(xb)), yb)) * len(yb)
     return total / len(blocks)
 
 
