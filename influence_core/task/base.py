@@ -70,12 +70,14 @@ class Task(ABC):
         z ~ N(0, I) drawn for examples offset, offset+1, ... (so the draws do not depend on batching)."""
         n, c = outputs.shape[0], outputs[0].numel()
         _, product = vjp(grad(lambda o: self.loss(o, targets).sum()), outputs)  # each example's ∇²ℓ(f_i), batched
+        apply = torch.func.vmap(lambda v: product(v)[0])  # over the draws
 
-        def hvp(v: torch.Tensor) -> torch.Tensor:
-            return product(v.reshape(outputs.shape))[0].reshape(n, c)
+        def hvp(v: torch.Tensor) -> torch.Tensor:  # rows (draw, example) flattened
+            return apply(v.reshape(samples, *outputs.shape)).reshape(samples * n, c)
 
-        z = noise.normal(offset, offset + n, (n, samples, c), outputs)
-        return [samples**-0.5 * lanczos_sqrt(hvp, z[:, k], LANCZOS_STEPS).reshape(outputs.shape) for k in range(samples)]
+        z = noise.normal(offset, offset + n, (n, samples, c), outputs).transpose(0, 1).reshape(samples * n, c)
+        roots = lanczos_sqrt(hvp, z, LANCZOS_STEPS).reshape(samples, *outputs.shape)
+        return list(samples**-0.5 * roots)
 
 
 def lanczos_sqrt(hvp: Any, z: torch.Tensor, steps: int) -> torch.Tensor:
