@@ -38,15 +38,13 @@ class LossTask(Task):
     def check(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
         targets = targets[: len(outputs)]
         try:
-            value = self.fn(outputs, targets)
+            self.fn(outputs, targets)
         except (RuntimeError, IndexError, ValueError) as exc:
             raise ConfigError(
                 "model",
                 f"model outputs of shape {tuple(outputs.shape)} do not fit labels of shape {tuple(targets.shape)} ({exc})",
                 "make the loss accept the model's outputs and the labels",
             ) from None
-        if value.ndim != 0:
-            raise ConfigError("model.loss", f"the loss returned shape {tuple(value.shape)}", "return the mean loss, a scalar")
 
 
 def resolve_task(loss: Task | LossFn | str) -> Task:
