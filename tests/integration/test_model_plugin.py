@@ -95,3 +95,23 @@ def test_unimportable_factory_names_the_field(tmp_path):
     data = prepare.run(params.dataset, store)
     with pytest.raises(ConfigError, match=r"^model.factory: cannot load 'tests.no_such_module:make'"):
         training.run(params.model, params.training, data, store, 1)
+
+
+def test_builtin_cnn_on_images_equals_the_library(tmp_path):
+    """architecture: cnn on (1, 8, 8) digit images (an npz keeps their shape): trained in fit_model, rebuilt on the
+    workers from the stored feature shape, and scored as the library scores the same stored model."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    images = (x / 16.0).reshape(-1, 1, 8, 8).astype(np.float32)
+    path = tmp_path / "images.npz"
+    np.savez(path, x_train=images[:200], y_train=y[:200], x_test=images[200:208], y_test=y[200:208])
+    params = small_params(str(tmp_path / "run"), dataset={"source": "npz", "path": str(path), "chunk_rows": 64}, model={"architecture": "cnn", "channels": [4]}, method=METHOD)
+    store, model_ref, data_ref = run_stages(params)
+    model = load_model(model_ref, store.options)
+    assert model_ref.feature_shape == [1, 8, 8] and any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    arrays = {name: torch.from_numpy(np.asarray(a[...])) for name, a in open_data(data_ref, store.options).items()}
+    train = (arrays["x_train"], arrays["y_train"])
+    expected = DirectInfluence(model, "cross_entropy", 1e-2, second_order_mode="gauss_newton").fit(train).influences(arrays["x_test"], arrays["y_test"], *train)
+    scores = read_outputs(store)[1]["scores"]
+    np.testing.assert_allclose(scores, expected.numpy(), rtol=1e-4, atol=1e-4 * float(np.abs(scores).max()))
