@@ -115,3 +115,13 @@ def test_builtin_cnn_on_images_equals_the_library(tmp_path):
     expected = DirectInfluence(model, "cross_entropy", 1e-2, second_order_mode="gauss_newton").fit(train).influences(arrays["x_test"], arrays["y_test"], *train)
     scores = read_outputs(store)[1]["scores"]
     np.testing.assert_allclose(scores, expected.numpy(), rtol=1e-4, atol=1e-4 * float(np.abs(scores).max()))
+
+
+def test_damaged_safetensors_checkpoint_names_the_field(tmp_path):
+    """Bytes that are not a .safetensors file are refused naming model.checkpoint, never unpickled."""
+    from influence_core.models import load_state
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x00" * 16)
+    with pytest.raises(ConfigError, match=r"^model.checkpoint: .*is not a valid \.safetensors file"):
+        load_state(str(path), {})
