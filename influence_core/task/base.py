@@ -22,8 +22,8 @@ LANCZOS_STEPS = 32  # Krylov dimension of the generic sampled Fisher's H^(1/2) z
 class Task(ABC):
     """Subclass and give `loss` (per-example training losses); override the rest where the defaults do not fit.
 
-    `modules`: names of the modules to track (module or layer-type names, as `method.modules`); None tracks every
-    supported layer. The generic Fisher uses only `loss`: exact from the eigenvectors of each example's output
+    `modules`: the modules to track when a method is given none (module names; K-FAC/EK-FAC also take layer types
+    such as "Conv1D"); None tracks every parameter (K-FAC/EK-FAC: every supported layer). The generic Fisher uses only `loss`: exact from the eigenvectors of each example's output
     Hessian, sampled as H^(1/2) z with z ~ N(0, I) by Lanczos; the built-in tasks give closed forms.
     """
 
