@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import nn
 
-from .layers import Capture, TrackedLayer, calls_per_layer, capture, outer_gradients
+from .layers import Capture, TrackedLayer, calls_per_layer, capture, contractible, outer_gradients
 from .objective import Objective
 from .work import Work
 
@@ -54,14 +53,14 @@ class GradientSplit:
         candidates = []
         for name, module in objective.model.named_modules():
             layer = TrackedLayer(name, module)
-            if _contractible(module) and all(p in blocks for p in layer.param_names) and _contiguous([blocks[p] for p in layer.param_names]):
+            if contractible(module) and all(p in blocks for p in layer.param_names) and _contiguous([blocks[p] for p in layer.param_names]):
                 candidates.append(layer)
         calls = calls_per_layer(objective.model, candidates, objective.to_model(*probe)[0])
         self.cuts = [LayerCut(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if calls[layer.name] == 1]
         covered = {p for cut in self.cuts for p in cut.layer.param_names}
         rest = [n for n in objective.space.names if n not in covered]
         self.rest_columns = torch.cat([torch.arange(blocks[n].start, blocks[n].stop) for n in rest]) if rest else None
-        self.rest = Objective(objective.model, objective.loss_fn, rest) if rest else None
+        self.rest = Objective(objective.model, objective.task, rest) if rest else None
 
     @property
     def layers(self) -> list[TrackedLayer]:
@@ -79,12 +78,6 @@ class GradientSplit:
                 inside = (self.rest_columns >= b.start) & (self.rest_columns < b.stop)
                 norms[index] += (batch.rest[:, inside.to(batch.rest.device)] ** 2).sum(1)
         return norms
-
-
-def _contractible(module: nn.Module) -> bool:
-    if isinstance(module, nn.Conv2d):
-        return module.groups == 1 and module.padding_mode == "zeros"
-    return isinstance(module, nn.Linear)
 
 
 def _contiguous(slices: list[slice]) -> bool:
@@ -167,13 +160,14 @@ class Batch:
         return self.capture.g[layer][0]
 
 
-def gradient_batch(split: GradientSplit, x: torch.Tensor, y: torch.Tensor, work: Work) -> Batch:
-    """Capture the tracked layers and take vmap gradients of the rest; counted as one gradient per example."""
+def gradient_batch(split: GradientSplit, x: torch.Tensor, y: torch.Tensor, work: Work, measure: bool = False) -> Batch:
+    """Capture the tracked layers and take vmap gradients of the rest, of the training loss (of the task's query
+    measurement with `measure`); counted as one gradient per example."""
     objective = split.objective
     x, y = objective.to_model(x, y)
     work.gradient_rows += len(x)
-    cap = capture(objective.model, split.layers, objective.loss_fn, x, y) if split.cuts else Capture({}, {})
-    rest = None if split.rest is None else split.rest.per_sample_grads(x, y)
+    cap = capture(objective.model, split.layers, objective.task, x, y, "measurement" if measure else "labels") if split.cuts else Capture({}, {})
+    rest = None if split.rest is None else split.rest.per_sample_grads(x, y, measure)
     return Batch(cap, rest, len(x), objective.space.dtype, objective.space.device)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import storage
+from .dotted import load_attribute
 from .errors import ConfigError
 from .specs import DatasetSource, DatasetSpec
 
@@ -114,11 +114,7 @@ def _torch_source(spec: DatasetSpec) -> Source:
     from torch.utils.data import DataLoader, Subset
 
     assert spec.path is not None
-    module_name, _, attribute = spec.path.partition(":")
-    try:
-        made = getattr(importlib.import_module(module_name), attribute)()
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError("dataset.path", f"cannot load {spec.path!r} ({exc})", "give an importable `package.module:factory`") from None
+    made = load_attribute(spec.path, "dataset.path")()
     if isinstance(made, tuple):
         train_set, test_set = made
     elif len(made) < 2:

@@ -1,4 +1,4 @@
-"""Tracked Linear and Conv2d layers: their inputs and output gradients captured by hooks, per example.
+"""Tracked Linear, Conv2d and Conv1D layers: their inputs and output gradients captured by hooks, per example.
 
 A layer's per-example gradient is Σ_t g_t a_tᵀ over positions t (one position for a plain Linear input, every
 patch for a convolution), with a = the layer input (unfolded patches for Conv2d, a trailing 1 for the bias) and
@@ -18,12 +18,32 @@ from torch import nn
 
 from .blocks import ROOT_BLOCK
 from .errors import ConfigError
-from .losses import LOSSES, LossFn
 from .noise import ExampleNoise
+from .task import Task
 
-SUPPORTED = (nn.Linear, nn.Conv2d)
+LAYER_TYPES = ("Linear", "Conv2d", "Conv1D")  # Conv1D: transformers' transposed linear layer (GPT-2's projections)
 FisherKind = Literal["auto", "sampled", "exact"]
-EXACT_FISHER_MAX_OUTPUTS = 64  # "auto" takes the exact expectation up to this many outputs per example, samples above
+EXACT_FISHER_MAX_PASSES = 64  # "auto" takes the exact expectation up to this many backward passes per example, samples above
+
+
+def layer_type(module: nn.Module) -> str | None:
+    """'Linear', 'Conv2d' or 'Conv1D' for a layer whose gradient is Σ_t g_t a_tᵀ, else None. Conv1D (transformers'
+    y = x W + b, W of shape (in, out)) is recognised by its class name and `nf` attribute, so the library never
+    imports transformers."""
+    if isinstance(module, nn.Linear):
+        return "Linear"
+    if isinstance(module, nn.Conv2d):
+        return "Conv2d"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None and module.weight.ndim == 2:
+        return "Conv1D"
+    return None
+
+
+def contractible(module: nn.Module) -> bool:
+    """A supported layer in a form the captures cover: convolutions only with groups=1 and zero padding."""
+    if isinstance(module, nn.Conv2d):
+        return module.groups == 1 and module.padding_mode == "zeros"
+    return layer_type(module) is not None
 
 
 @dataclass(frozen=True)
@@ -36,13 +56,18 @@ class TrackedLayer:
         return self.module.bias is not None
 
     @property
+    def transposed(self) -> bool:
+        """Whether the weight is stored (in, out), as in Conv1D, rather than (out, in, ...)."""
+        return layer_type(self.module) == "Conv1D"
+
+    @property
     def out_dim(self) -> int:
-        return self.module.weight.shape[0]
+        return self.module.weight.shape[1 if self.transposed else 0]
 
     @property
     def in_dim(self) -> int:
         """Columns of the layer's gradient matrix: inputs (times kernel size), plus one for the bias."""
-        return self.module.weight[0].numel() + int(self.has_bias)
+        return self.module.weight.numel() // self.out_dim + int(self.has_bias)
 
     @property
     def param_names(self) -> list[str]:
@@ -75,39 +100,38 @@ class TrackedLayer:
     def to_matrix(self, flat: torch.Tensor) -> torch.Tensor:
         """Parameter-ordered vectors (weight flattened, then bias) → gradient matrices (n, out, in_dim)."""
         n, w = flat.shape[0], self.module.weight.numel()
-        weight = flat[:, :w].reshape(n, self.out_dim, -1)
+        weight = flat[:, :w].reshape(n, -1, self.out_dim).transpose(1, 2) if self.transposed else flat[:, :w].reshape(n, self.out_dim, -1)
         return torch.cat([weight, flat[:, w:, None]], dim=2) if self.has_bias else weight
 
     def to_flat(self, matrix: torch.Tensor) -> torch.Tensor:
         """Inverse of `to_matrix`."""
         n = matrix.shape[0]
-        if not self.has_bias:
-            return matrix.reshape(n, -1)
-        return torch.cat([matrix[:, :, :-1].reshape(n, -1), matrix[:, :, -1]], dim=1)
+        weight = matrix[:, :, :-1] if self.has_bias else matrix
+        weight = (weight.transpose(1, 2) if self.transposed else weight).reshape(n, -1)
+        return torch.cat([weight, matrix[:, :, -1]], dim=1) if self.has_bias else weight
 
 
 def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[TrackedLayer]:
-    """Layers by module name or by type name ("Linear", "Conv2d"), or every Linear and Conv2d; unsupported
+    """Layers by module name or by type name ("Linear", "Conv2d", "Conv1D"), or every such layer; unsupported
     choices fail with the field named."""
     modules = dict(model.named_modules())
-    supported = [n for n, m in modules.items() if isinstance(m, SUPPORTED)]
+    supported = [n for n, m in modules.items() if layer_type(m) is not None]
     trainable = [n for n in supported if any(t.requires_grad for t in modules[n].parameters(recurse=False))]
     if names is None:
         chosen = trainable  # frozen layers (requires_grad=False) are never attributed
     else:
-        types = {t.__name__: t for t in SUPPORTED}
         chosen = []
         for name in names:
             if name in modules:
                 chosen.append(name)
-            elif name in types:
-                chosen += [n for n in supported if isinstance(modules[n], types[name])]
+            elif name in LAYER_TYPES:
+                chosen += [n for n in supported if layer_type(modules[n]) == name]
             else:
-                raise ConfigError("method.modules", f"no module or layer type named {name!r}", f"pick from {supported} or {sorted(types)}")
+                raise ConfigError("method.modules", f"no module or layer type named {name!r}", f"pick from {supported} or {list(LAYER_TYPES)}")
         chosen = list(dict.fromkeys(chosen))
-        unsupported = [f"{n} ({type(modules[n]).__name__})" for n in chosen if not isinstance(modules[n], SUPPORTED)]
+        unsupported = [f"{n} ({type(modules[n]).__name__})" for n in chosen if layer_type(modules[n]) is None]
         if unsupported:
-            raise ConfigError("method.modules", f"{unsupported} are not Linear or Conv2d", "track Linear and Conv2d modules only")
+            raise ConfigError("method.modules", f"{unsupported} are not Linear or Conv2d (or Conv1D)", "track Linear, Conv2d and Conv1D modules only")
     frozen = [n for n in chosen if n not in trainable]
     if frozen:
         raise ConfigError(
@@ -115,11 +139,11 @@ def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[
             f"set method.modules to trainable layers, e.g. {trainable}, or set requires_grad=True on those layers",
         )
     for n in chosen:
-        m = modules[n]
-        if isinstance(m, nn.Conv2d) and (m.groups != 1 or m.padding_mode != "zeros"):
+        if not contractible(modules[n]):
+            m = modules[n]
             raise ConfigError("method.modules", f"{n} uses groups={m.groups}, padding_mode={m.padding_mode!r}", "track plain convolutions (groups=1, zero padding) only")
     if not chosen:
-        raise ConfigError("method.modules", "no Linear or Conv2d layer is selected", "select Linear or Conv2d modules, or use a method without Kronecker factors, e.g. cg")
+        raise ConfigError("method.modules", "no Linear, Conv2d or Conv1D layer is selected", "select such modules, or use a method without Kronecker factors, e.g. cg")
     return [TrackedLayer(n, modules[n]) for n in chosen]
 
 
@@ -189,36 +213,39 @@ def _recording(layers: list[TrackedLayer], inputs: dict[str, torch.Tensor], outp
 def capture(
     model: nn.Module,
     layers: list[TrackedLayer],
-    loss_fn: LossFn,
+    task: Task,
     x: torch.Tensor,
     y: torch.Tensor,
-    mode: Literal["labels", "auto", "sampled", "exact"] = "labels",
+    mode: Literal["labels", "measurement", "auto", "sampled", "exact"] = "labels",
     noise: ExampleNoise | None = None,
     offset: int = 0,
     samples: int = 1,
 ) -> Capture:
     """One forward pass and the gradients with respect to every tracked layer's output, recording (a, g).
 
-    - labels: g = ∂ℓ(f(x), y)/∂output, the true per-example gradient;
+    - labels: g = ∂ℓ(f(x), y)/∂output, the true per-example gradient of the task's training loss;
+    - measurement: the same for the task's query measurement;
     - sampled: g from `samples` targets per example drawn from the model's predictive distribution (the true
       Fisher), each scaled by 1/√samples, with the noise of examples offset, offset+1, ... so the draws do not
       depend on batching;
     - exact: one backward pass per column of a square root of ∇²ℓ(f), so Σ_columns g gᵀ is the exact
       Gauss-Newton factor;
-    - auto: exact up to EXACT_FISHER_MAX_OUTPUTS outputs per example (or for a loss without a sampler), else sampled.
+    - auto: exact up to EXACT_FISHER_MAX_PASSES backward passes per example, else sampled.
     Parameters' .grad are never touched.
     """
     inputs: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
     with torch.enable_grad(), _recording(layers, inputs, outputs):
-        out = model(x)
+        out = task.output(model(x))
     names = [layer.name for layer in layers]
     if any(not outputs[n].requires_grad for n in names):
         raise ConfigError("method.modules", "tracked layers produce outputs without gradients", "list only layers with requires_grad=True parameters in method.modules")
     if mode == "labels":
-        roots, cotangents = [loss_fn(out, y) * len(x)], [None]  # the sum over examples: each gets its own gradient
+        roots, cotangents = [task.mean_loss(out, y) * len(x)], [None]  # the sum over examples: each gets its own gradient
+    elif mode == "measurement":
+        roots, cotangents = [task.measurement(out, y).sum()], [None]
     else:
-        cotangents = _fisher_cotangents(out.detach(), y, loss_fn, resolve_fisher(mode, loss_fn, out[0].numel()), noise, offset, samples)
+        cotangents = fisher_cotangents(task, out.detach(), y, mode, noise, offset, samples)
         roots = [out] * len(cotangents)
     grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     for i, (root, cotangent) in enumerate(zip(roots, cotangents)):
@@ -228,60 +255,19 @@ def capture(
     return Capture(inputs, grads)
 
 
-def _samplable(loss_fn: LossFn) -> bool:
-    """Whether targets can be drawn from the model's predictive distribution for this loss."""
-    return loss_fn is F.cross_entropy or loss_fn is LOSSES["mse"]
-
-
-def resolve_fisher(kind: str, loss_fn: LossFn, outputs: int) -> str:
-    """'auto' → 'exact' for at most EXACT_FISHER_MAX_OUTPUTS outputs per example (or a loss without a sampler), else
-    'sampled': the exact expectation costs one backward pass per output, sampling one per draw."""
+def resolve_fisher(kind: str, passes: int) -> str:
+    """'auto' → 'exact' when the exact Fisher takes at most EXACT_FISHER_MAX_PASSES backward passes per example
+    (one per column of its square root), else 'sampled' (one per draw); whatever the task, callable losses included."""
     if kind != "auto":
         return kind
-    return "exact" if outputs <= EXACT_FISHER_MAX_OUTPUTS or not _samplable(loss_fn) else "sampled"
+    return "exact" if passes <= EXACT_FISHER_MAX_PASSES else "sampled"
 
 
-def _fisher_cotangents(out: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, mode: str, noise: ExampleNoise | None, offset: int, samples: int) -> list[torch.Tensor]:
-    """Output cotangents whose outer products sum to the output Hessian of the loss per example: exactly (the columns
-    of a square root), or in expectation over sampled targets."""
-    if mode == "sampled":
-        if not _samplable(loss_fn):
-            raise ConfigError("method.fisher", "the sampled Fisher needs the cross_entropy or mse loss", "use fisher='exact' with a custom loss")
-        assert noise is not None
-        return _sampled_cotangents(out, loss_fn, noise, offset, samples)
-    if loss_fn is F.cross_entropy:
-        probs = torch.softmax(out, dim=-1)
-        eye = torch.eye(out.shape[-1], dtype=out.dtype, device=out.device)
-        return [probs[:, c : c + 1].sqrt() * (eye[c] - probs) for c in range(out.shape[-1])]
-    if loss_fn is LOSSES["mse"]:
-        d = out[0].numel()  # mean squared error over d outputs: ∇²ℓ = (2/d)·I
-        basis = torch.eye(d, dtype=out.dtype, device=out.device) * (2.0 / d) ** 0.5
-        return [basis[c].expand(out.shape[0], d).reshape(out.shape) for c in range(d)]
-    return _exact_square_root(out, y, loss_fn)
-
-
-def _sampled_cotangents(out: torch.Tensor, loss_fn: LossFn, noise: ExampleNoise, offset: int, samples: int) -> list[torch.Tensor]:
-    """∂ℓ(f, ỹ)/∂f for `samples` targets ỹ ~ p(y | f) per example (a label from the softmax; for mse, Gaussian
-    noise with ∇²ℓ's covariance), each scaled by 1/√samples so that the outer products average over the draws."""
-    n, scale = len(out), samples**-0.5
-    if loss_fn is F.cross_entropy:
-        probs = torch.softmax(out, dim=-1)
-        u = noise.uniform(offset, offset + n, probs, samples)
-        labels = (probs.cumsum(-1)[:, None, :] < u[:, :, None]).sum(-1).clamp_max(out.shape[-1] - 1)  # inverse-CDF draws
-        return [scale * (probs - F.one_hot(labels[:, k], out.shape[-1]).to(out.dtype)) for k in range(samples)]
-    d = out[0].numel()  # mean squared error over d outputs: ∇²ℓ = (2/d)·I
-    z = noise.normal(offset, offset + n, (n, samples, *out.shape[1:]), out)
-    return [scale * (2.0 / d) ** 0.5 * z[:, k] for k in range(samples)]
-
-
-def _exact_square_root(out: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> list[torch.Tensor]:
-    """Any loss: per-example output Hessians, eigendecomposed into columns L with L Lᵀ = ∇²ℓ (negative parts dropped)."""
-
-    def single(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return loss_fn(o.unsqueeze(0), t.unsqueeze(0))
-
-    b, c = out.shape[0], out[0].numel()
-    hessians = torch.func.vmap(torch.func.hessian(single))(out, y).reshape(b, c, c)
-    values, vectors = torch.linalg.eigh(hessians)
-    roots = vectors * values.clamp_min(0).sqrt()[:, None, :]
-    return [roots[:, :, k].reshape(out.shape) for k in range(c)]
+def fisher_cotangents(task: Task, out: torch.Tensor, y: torch.Tensor, kind: str, noise: ExampleNoise | None, offset: int, samples: int) -> list[torch.Tensor]:
+    """Output cotangents whose outer products sum to each example's output Hessian of the loss: exactly (the columns
+    of a square root), or in expectation over targets sampled from the model."""
+    task.check(out, y)
+    if resolve_fisher(kind, task.fisher_passes(out)) == "exact":
+        return task.exact_fisher(out, y)
+    assert noise is not None
+    return task.sampled_fisher(out, y, noise, offset, samples)

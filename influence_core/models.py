@@ -13,7 +13,6 @@ from torch import nn
 from . import storage
 from .batches import ArrayBatches
 from .errors import ConfigError
-from .losses import resolve_loss
 from .objective import Objective
 from .refs import DataRef
 from .specs import ModelSpec, TrainingSpec
@@ -23,18 +22,24 @@ def output_width(spec: ModelSpec, data: DataRef) -> int:
     """Explicit width, else one output per class, else one regression target."""
     if spec.output_dim is not None:
         return spec.output_dim
-    return data.n_classes if (spec.loss == "cross_entropy" and data.n_classes) else 1
+    return data.n_classes if (spec.task_name == "classification" and data.n_classes) else 1
 
 
 def build_model(spec: ModelSpec, data: DataRef) -> nn.Module:
     """The untrained module for this data, in the spec's dtype."""
     torch_dtype = getattr(torch, spec.dtype)
-    return spec.build(math.prod(data.feature_shape), output_width(spec, data)).to(torch_dtype)
+    return spec.build(math.prod(data.feature_shape), output_width(spec, data), tuple(data.feature_shape)).to(torch_dtype)
 
 
 def check_model_fits(model: nn.Module, spec: ModelSpec, x: Any, y: Any) -> None:
-    """Raise a ConfigError naming the model when its outputs cannot be scored against the labels."""
-    Objective(model, spec.loss).check_outputs(torch.from_numpy(np.asarray(x[:64])), torch.from_numpy(np.asarray(y[:])))
+    """Raise a ConfigError naming the model's field when its outputs cannot be scored against the labels by the task
+    (model.options for a factory's model)."""
+    try:
+        Objective(model, spec.make_task()).check_outputs(torch.from_numpy(np.asarray(x[:64])), torch.from_numpy(np.asarray(y[:])))
+    except ConfigError as exc:
+        if spec.factory is None:
+            raise
+        raise ConfigError("model.options", f"the model of {spec.factory} does not fit the {spec.task_name} task: {exc.problem}", exc.fix) from None
 
 
 SHUFFLE_BLOCK_ROWS = 65536  # the training set is read block by block: memory stays flat as it grows
@@ -46,8 +51,8 @@ def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: 
     Each epoch visits blocks of rows in a seeded random order and shuffles within each block, so only one block is
     in memory at a time (a full shuffle for data of up to SHUFFLE_BLOCK_ROWS rows).
     """
-    loss_fn = resolve_loss(spec.loss)
-    objective = Objective(model, spec.loss)
+    task = spec.make_task()
+    objective = Objective(model, task)
     optimiser = torch.optim.Adam(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
     generator = torch.Generator().manual_seed(training.seed)
     blocks = ArrayBatches(x, y, SHUFFLE_BLOCK_ROWS)
@@ -60,14 +65,14 @@ def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: 
             for start in range(0, len(ys), training.batch_size):
                 idx = order[start : start + training.batch_size]
                 optimiser.zero_grad()
-                loss_fn(model(xs[idx]), ys[idx]).backward()
+                task.mean_loss(task.output(model(xs[idx])), ys[idx]).backward()
                 optimiser.step()
     model.eval()
     total = 0.0
     with torch.no_grad():
         for xb, yb in blocks:
             xb, yb = objective.to_model(xb, yb)
-            total += float(loss_fn(model(xb), yb)) * len(yb)
+            total += float(task.mean_loss(task.output(model(xb)), yb)) * len(yb)
     return total / len(blocks)
 
 
@@ -83,6 +88,8 @@ def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint
         raw = storage.read_bytes(url, options)
     except FileNotFoundError:
         raise ConfigError(field, f"no checkpoint at {url!r}", "give the path or s3:// URL of a saved state_dict") from None
+    if url.endswith(".safetensors"):
+        return _safetensors(raw, url, field)
     try:
         state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ... for foreign files
@@ -94,10 +101,22 @@ def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint
     return state
 
 
+def _safetensors(raw: bytes, url: str, field: str) -> dict[str, torch.Tensor]:
+    """A .safetensors state_dict (tensors only, by construction: nothing to unpickle)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(raw)
+    except SafetensorError as exc:
+        raise ConfigError(field, f"{url!r} is not a valid .safetensors file ({exc})", "save it with safetensors.torch.save_file(model.state_dict(), path)") from None
+
+
 def load_into(model: nn.Module, state: dict[str, torch.Tensor], field: str = "model.checkpoint") -> nn.Module:
     """Load a state_dict, turning key or shape mismatches into an error that names the field."""
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise ConfigError(field, f"the checkpoint does not fit the model ({str(exc).splitlines()[0]})", "match model.architecture/hidden/output_dim to the checkpoint") from None
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # the missing keys included
+        raise ConfigError(field, f"the checkpoint does not fit the model ({detail})", "match model.architecture/hidden/output_dim (or model.factory/options) to the checkpoint") from None
     return model.eval()

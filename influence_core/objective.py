@@ -1,4 +1,4 @@
-"""A model and its loss as pure functions of the chosen parameters, for torch.func transforms."""
+"""A model and its task (loss, measurement) as pure functions of the chosen parameters, for torch.func transforms."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 
 from .errors import ConfigError
-from .losses import LOSSES, LossFn, resolve_loss
+from .task import LossFn, Task, resolve_task
 from .params import ParamSpace
 from .solvers import MatMat
 from .work import Work
@@ -20,9 +20,9 @@ Params = dict[str, torch.Tensor]
 class Objective:
     """Model outputs, mean loss, per-sample gradients and curvature-vector products at fixed parameters."""
 
-    def __init__(self, model: nn.Module, loss: LossFn | str, param_names: Iterable[str] | None = None) -> None:
+    def __init__(self, model: nn.Module, loss: Task | LossFn | str, param_names: Iterable[str] | None = None) -> None:
         self.model = model.eval()
-        self.loss_fn = resolve_loss(loss)
+        self.task = resolve_task(loss)
         self.space = ParamSpace(model, param_names)
         self.work = Work()  # what was evaluated with this objective: gradients, curvature products, solves, flops
 
@@ -58,19 +58,23 @@ class Objective:
         return total // max(1, len(x))
 
     def outputs(self, params: Params, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.model, self.space.full_state(params), (x,))
+        return self.task.output(functional_call(self.model, self.space.full_state(params), (x,)))
 
     def batch_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.outputs(params, x), y)
+        return self.task.mean_loss(self.outputs(params, x), y)
 
     def _sample_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.batch_loss(params, x.unsqueeze(0), y.unsqueeze(0))
 
-    def per_sample_grads(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Gradients of each example's loss, shape (n, p), vectorised with vmap over grad."""
+    def _sample_measurement(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.task.measurement(self.outputs(params, x.unsqueeze(0)), y.unsqueeze(0))[0]
+
+    def per_sample_grads(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> torch.Tensor:
+        """Gradients of each example's loss (of its measurement with `measure`, for queries), shape (n, p),
+        vectorised with vmap over grad."""
         x, y = self.to_model(x, y)
         self.work.gradient_rows += len(x)
-        grads = vmap(grad(self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
+        grads = vmap(grad(self._sample_measurement if measure else self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
         return self.space.flatten(grads, batch_dims=1)
 
     def hessian_product(self, x: torch.Tensor, y: torch.Tensor) -> MatMat:
@@ -98,7 +102,7 @@ class Objective:
             return self.outputs(p, x)
 
         out, pullback = vjp(forward, self.params)
-        _, loss_hessian = vjp(grad(lambda o: self.loss_fn(o, y)), out.detach())  # ∇²ℓ(f) is symmetric
+        _, loss_hessian = vjp(grad(lambda o: self.task.mean_loss(o, y)), out.detach())  # ∇²ℓ(f) is symmetric
 
         def single(v: Params) -> Params:
             jv = jvp(forward, (self.params,), (v,))[1]
@@ -111,31 +115,13 @@ class Objective:
         return apply
 
     def check_outputs(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Fail early, naming the field, when outputs cannot be scored against the labels `y` (pass them all) or
-        when the loss does not depend differentiably on the parameters."""
+        """Fail early, naming the field, when the task cannot interpret the outputs against the labels `y` (pass them
+        all) or when the loss does not depend differentiably on the parameters."""
         xs, ys = self.to_model(x[:64], y[:64])
         live = {name: p.detach().requires_grad_(True) for name, p in self.params.items()}
         out = self.outputs(live, xs)
-        if not y.is_floating_point() and out.ndim == 2 and int(y.max()) >= out.shape[-1]:
-            raise ConfigError(
-                "model.output_dim",
-                f"the model emits {out.shape[-1]} columns but the labels go up to {int(y.max())}",
-                f"give the model {int(y.max()) + 1} outputs, one per class",
-            )
-        if self.loss_fn is LOSSES["cross_entropy"] and ys.is_floating_point() and ys.shape != out.shape:
-            raise ConfigError(
-                "model.loss",
-                f"cross_entropy takes integer class indices, but the labels are {str(ys.dtype).removeprefix('torch.')}",
-                "store the labels as integers 0..C-1 (e.g. y.astype('int64')), or set model.loss to mse for real-valued targets",
-            )
-        try:
-            value = self.loss_fn(out, ys)
-        except (RuntimeError, IndexError, ValueError) as exc:
-            raise ConfigError(
-                "model",
-                f"model outputs of shape {tuple(out.shape)} do not fit labels of shape {tuple(ys.shape)} ({exc})",
-                "make the last layer emit one column per class (cross_entropy) or per target (mse)",
-            ) from None
+        self.task.check(out.detach(), self._to_space(y))
+        value = self.task.mean_loss(out, ys)
         if value.ndim != 0:
             raise ConfigError("model.loss", f"the loss returned shape {tuple(value.shape)}", "return the mean loss, a scalar")
         grads = torch.autograd.grad(value, list(live.values()), allow_unused=True) if value.grad_fn is not None else [None]

@@ -66,6 +66,7 @@ class ModelRef(StageRef):
     in_features: int
     out_features: int
     train_loss: float | None
+    feature_shape: list[int] | None = None  # the inputs' shape, for architectures that need more than their size (cnn)
 
 
 class ScoresRef(StageRef):

@@ -15,9 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from torch import nn
 
 from .candidates import resolve_module
+from .dotted import DOTTED, load_attribute
 from .errors import ConfigError
 from .losses import LossName
 from .projection import Projection
+from .task import BUILTIN, Classification, Task
 from .methods import (
     ArnoldiInfluence,
     CgInfluence,
@@ -99,6 +101,10 @@ class DatasetSpec(Spec):
 class Architecture(str, Enum):
     mlp = "mlp"
     linear = "linear"
+    cnn = "cnn"
+
+
+LOSS_TASKS = {"cross_entropy": "classification", "mse": "regression"}
 
 
 class Activation(str, Enum):
@@ -108,19 +114,45 @@ class Activation(str, Enum):
 
 
 class ModelSpec(Spec):
-    architecture: Architecture = Field(Architecture.mlp, title="Architecture", description="mlp: fully connected with `hidden` layers; linear: one linear layer (linear/logistic regression).")
+    architecture: Architecture = Field(Architecture.mlp, title="Architecture", description="mlp: fully connected with `hidden` layers; linear: one linear layer (linear/logistic regression); cnn: 3x3 convolutions with `channels`, for images.")
     hidden: list[Annotated[int, Field(ge=1)]] = Field([32], title="Hidden widths", description="Width of each hidden layer of the MLP.")
     activation: Activation = Field(Activation.tanh, title="Activation", description="Nonlinearity between MLP layers (tanh keeps the Hessian smooth).")
     output_dim: int | None = Field(None, ge=1, title="Outputs", description="Output width; empty means one per class (classification) or 1 (regression).")
-    loss: LossName = Field("cross_entropy", title="Loss", description="Training loss, also the loss whose influence is measured.")
-    checkpoint: str | None = Field(None, title="Checkpoint", description="A state_dict file (local or s3://) to load instead of training; read with torch.load(weights_only=True).")
+    channels: list[Annotated[int, Field(ge=1)]] = Field([8, 16], title="Channels (cnn)", description="Output channels of each 3x3 convolution of the cnn (each followed by the activation and a 2x2 max-pool while the image is at least 2x2).")
+    factory: str | None = Field(None, title="Model factory", description="`package.module:callable` that returns your torch.nn.Module, called with `options`; replaces architecture, hidden, activation, channels and output_dim.")
+    options: dict[str, Any] = Field({}, title="Factory options", description="Keyword arguments of the model factory.")
+    loss: LossName = Field("cross_entropy", title="Loss", description="Training loss, also the loss whose influence is measured (cross_entropy: the classification task, mse: regression).")
+    task: Literal["classification", "regression", "language_modelling"] | None = Field(None, title="Task", description="What is attributed, a built-in task (influence_core.task); empty: the loss's task. Training uses the task's loss.")
+    measurement: Literal["loss", "margin"] = Field("loss", title="Query measurement", description="What the queries' scores are the gradient of: the loss, or (classification) minus the margin of the true class.")
+    checkpoint: str | None = Field(None, title="Checkpoint", description="A state_dict file (local or s3://) to load instead of training: .safetensors, or a torch.save file read with torch.load(weights_only=True).")
     dtype: Literal["float32", "float64"] = Field("float32", title="Precision", description="Parameter dtype; results follow it.")
 
-    def build(self, in_features: int, out_features: int) -> nn.Module:
-        """Construct the module described here (weights random until trained or loaded)."""
+    @model_validator(mode="after")
+    def _plug_ins(self) -> "ModelSpec":
+        if self.factory is not None and not DOTTED.fullmatch(self.factory):
+            raise ConfigError("model.factory", f"{self.factory!r} is not `package.module:callable`", "name an importable module and a callable in it, e.g. mypackage.models:make_model")
+        if self.measurement == "margin" and self.task_name != "classification":
+            raise ConfigError("model.measurement", f"the margin needs the classification task, not {self.task_name}", "set model.measurement: loss, or model.task: classification")
+        return self
+
+    @property
+    def task_name(self) -> str:
+        return self.task or LOSS_TASKS[self.loss]
+
+    def make_task(self) -> Task:
+        """The Task influence attributes, and training minimises."""
+        return Classification(self.measurement) if self.task_name == "classification" else BUILTIN[self.task_name]()
+
+    def build(self, in_features: int, out_features: int, feature_shape: tuple[int, ...] | None = None) -> nn.Module:
+        """Construct the module described here (weights random until trained or loaded): the factory's, or a built-in
+        architecture for inputs of `feature_shape` (flat `in_features`)."""
+        if self.factory is not None:
+            return self._from_factory()
         if self.architecture == Architecture.linear.value:
             return nn.Sequential(nn.Flatten(), nn.Linear(in_features, out_features))
         act = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}[self.activation]
+        if self.architecture == Architecture.cnn.value:
+            return self._cnn(feature_shape or (in_features,), out_features, act)
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_features
         for h in self.hidden:
@@ -128,6 +160,31 @@ class ModelSpec(Spec):
             width = h
         layers.append(nn.Linear(width, out_features))
         return nn.Sequential(*layers)
+
+    def _from_factory(self) -> nn.Module:
+        assert self.factory is not None
+        factory = load_attribute(self.factory, "model.factory")
+        try:
+            module = factory(**self.options)
+        except TypeError as exc:
+            raise ConfigError("model.options", f"{self.factory} does not take these options ({exc})", "give the keyword arguments the factory accepts") from None
+        if not isinstance(module, nn.Module):
+            raise ConfigError("model.factory", f"{self.factory} returned a {type(module).__name__}, not a torch.nn.Module", "return the model itself")
+        return module
+
+    def _cnn(self, shape: tuple[int, ...], out_features: int, act: type[nn.Module]) -> nn.Module:
+        """3x3 convolutions (padding 1) with the activation and 2x2 max-pooling, then a linear head."""
+        if len(shape) not in (2, 3):
+            raise ConfigError("model.architecture", f"cnn needs images, (C, H, W) or (H, W) features, not {tuple(shape)}", "store images with their shape, or use architecture mlp")
+        layers: list[nn.Module] = [] if len(shape) == 3 else [nn.Unflatten(1, (1, shape[0]))]  # (B, H, W) → (B, 1, H, W)
+        channels, height, width = shape if len(shape) == 3 else (1, *shape)
+        for out in self.channels:
+            layers += [nn.Conv2d(channels, out, 3, padding=1), act()]
+            if min(height, width) >= 2:
+                layers.append(nn.MaxPool2d(2))
+                height, width = height // 2, width // 2
+            channels = out
+        return nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * height * width, out_features))
 
 
 class TrainingSpec(Spec):
@@ -160,7 +217,7 @@ class MethodBase(Spec):
         "less memory, and r·(out+in) instead of out·in per scored pair when that is smaller. Empty: full rank. Not with a projection or arnoldi.",
     )
 
-    def build(self, model: nn.Module, loss: str) -> InfluenceFunctionModel:
+    def build(self, model: nn.Module, loss: Task | str) -> InfluenceFunctionModel:
         """The influence model for these settings, not yet fitted."""
         options = self.model_dump(exclude={"name", "projection"})
         projection = getattr(self, "projection", None)

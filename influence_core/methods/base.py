@@ -25,11 +25,11 @@ from ..contraction import Batch, GradientSplit, RowOrder, Rows, compress_rows, c
 from ..curvature import CurvatureOperator, SecondOrderMode
 from ..errors import ConfigError
 from ..layers import module_param_names, select_layers
-from ..losses import LossFn
 from ..lowrank import hutchinson_trace, lanczos, nystroem
 from ..objective import Objective
 from ..projection import Projection, Projector, project_batch
 from ..self_influence import SelfInfluenceMode, SelfInfluencePlan, Sketch, Solve, auto_rank, eigen_sketch
+from ..task import LossFn, Task, resolve_task
 from .feature_covariance import FeatureCovariance
 
 SKETCH_SEED = 0
@@ -111,7 +111,7 @@ class InfluenceFunctionModel(ABC):
     def __init__(
         self,
         model: nn.Module,
-        loss: LossFn | str,
+        loss: Task | LossFn | str,
         regularization: Regularization = 1e-3,
         *,
         second_order_mode: SecondOrderMode = "hessian",
@@ -122,6 +122,8 @@ class InfluenceFunctionModel(ABC):
         batch_size: int = 128,
         query_rank: int | None = None,
     ) -> None:
+        task = resolve_task(loss)
+        modules = task.modules if modules is None else modules
         self.projector: Projector | None = None
         self.feature_space = projection is not None  # curvature taken in the projected space (TRAK-style)
         if projection is not None:
@@ -135,7 +137,7 @@ class InfluenceFunctionModel(ABC):
         if query_rank is not None and (query_rank < 1 or projection is not None):
             raise ConfigError("method.query_rank", f"query_rank={query_rank} with projection={projection}", "use a positive rank, without a projection (projected factors are already small)")
         self.query_rank = query_rank
-        self.objective = Objective(model, loss, param_names)
+        self.objective = Objective(model, task, param_names)
         self.excluded_parameters = [n for n, p in model.named_parameters() if p.requires_grad and n not in self.objective.space.params]
         self.frozen_parameters = [n for n, p in model.named_parameters() if not p.requires_grad]  # never attributed
         self.blocks = self._feature_blocks(block_structure) if self.projector else make_blocks(self.objective.space, block_structure)
@@ -232,9 +234,10 @@ class InfluenceFunctionModel(ABC):
             self._split = GradientSplit(self.objective, (x[:8], y[:8]))
         return self._split
 
-    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor) -> Batch:
-        """The captured gradients of one batch, in the coordinates the method's features use."""
-        return gradient_batch(self.gradient_split(x, y), x, y, self.objective.work)
+    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> Batch:
+        """The captured gradients of one batch (of the query measurement with `measure`), in the coordinates the
+        method's features use."""
+        return gradient_batch(self.gradient_split(x, y), x, y, self.objective.work, measure)
 
     def contracts(self) -> bool:
         """True when the features are the gradient itself (or its rotation): scores then contract query rows with
@@ -264,14 +267,16 @@ class InfluenceFunctionModel(ABC):
             self._basis = Rows.from_flat(torch.cat(parts), self._split, "parameters")
         return self._basis
 
-    def features_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def features_of(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> torch.Tensor:
         """Per-example features (n, p') of (x, y), batch by batch (no fitted state needed for projections)."""
-        return torch.cat([self.batch_features(self.gradient_batch(x[lo : lo + self.batch_size], y[lo : lo + self.batch_size])) for lo in range(0, len(x), self.batch_size)])
+        step = self.batch_size
+        return torch.cat([self.batch_features(self.gradient_batch(x[lo : lo + step], y[lo : lo + step], measure)) for lo in range(0, len(x), step)])
 
-    def gradient_features(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Per-example representation (n, p'): the loss gradient, projected or in the method's basis where it has one."""
+    def gradient_features(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> torch.Tensor:
+        """Per-example representation (n, p'): the loss gradient (the measurement's with `measure`, for queries),
+        projected or in the method's basis where it has one."""
         self._require_fitted()
-        return self.features_of(x, y)
+        return self.features_of(x, y, measure)
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
         """Apply (C + λI)⁻¹, block by block, to each row of `features` (n, p')."""
@@ -303,7 +308,7 @@ class InfluenceFunctionModel(ABC):
 
     def _dense_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The query factors before any rank-r compression."""
-        return self.precondition(self.gradient_features(x, y))
+        return self.precondition(self.gradient_features(x, y, measure=True))
 
     def influences_from_factors(self, factors: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Scores (n_test, n) of the examples (x, y) on the queries behind `factors`."""

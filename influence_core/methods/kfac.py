@@ -22,11 +22,11 @@ from ..blocks import BlockCurvature, Regularization
 from ..contraction import Batch
 from ..errors import ConfigError
 from ..layers import Capture, FisherKind, TrackedLayer, capture, outer_gradients, select_layers
-from ..losses import LossFn
 from ..noise import ExampleNoise
 from ..objective import Objective
 from ..projection import Projection
 from ..self_influence import Diagonal, SelfInfluencePlan
+from ..task import LossFn, Task, resolve_task
 from .base import BlockSolver, InfluenceFunctionModel
 
 Sums = dict[str, dict[str, torch.Tensor]]
@@ -52,7 +52,7 @@ def _fisher_captures(objective: Objective, layers: list[TrackedLayer], batches: 
     """Fisher pseudo-gradient captures batch by batch, the noise tied to example indices offset, offset+1, ..."""
     for x, y in batches:
         x, y = objective.to_model(x, y)
-        yield x, capture(objective.model, layers, objective.loss_fn, x, y, fisher, noise, offset, samples)
+        yield x, capture(objective.model, layers, objective.task, x, y, fisher, noise, offset, samples)
         offset += len(x)
 
 
@@ -140,7 +140,8 @@ class KfacInfluence(InfluenceFunctionModel):
     Parameters of other modules are excluded explicitly: `excluded_parameters` lists them. `fisher` is 'exact'
     (the expectation over the outputs, one backward pass per output; exact for a single linear layer with squared
     loss), 'sampled' (`fisher_samples` targets per example drawn from the model, seeded; one backward pass each),
-    or 'auto' (the default, also None): exact up to EXACT_FISHER_MAX_OUTPUTS = 64 outputs, sampled above.
+    or 'auto' (the default, also None): exact up to EXACT_FISHER_MAX_PASSES = 64 backward passes per example
+    (the task's `fisher_passes`: classes, or positions × vocabulary), sampled above.
     The correction pass draws its samples independently of the covariance pass.
     """
 
@@ -152,7 +153,7 @@ class KfacInfluence(InfluenceFunctionModel):
     def __init__(
         self,
         model: nn.Module,
-        loss: LossFn | str,
+        loss: Task | LossFn | str,
         regularization: Regularization = 1e-3,
         *,
         modules: Iterable[str] | None = None,
@@ -163,7 +164,8 @@ class KfacInfluence(InfluenceFunctionModel):
         batch_size: int = 128,
         query_rank: int | None = None,
     ) -> None:
-        self.layers = select_layers(model, modules)
+        loss = resolve_task(loss)
+        self.layers = select_layers(model, loss.modules if modules is None else modules)
         names = [p for layer in self.layers for p in layer.param_names]
         if query_rank is not None and projection is not None:
             raise ConfigError("method.query_rank", "query_rank with a projection", "leave query_rank empty: projected factors are already small")
@@ -224,8 +226,8 @@ class KfacInfluence(InfluenceFunctionModel):
     # With a projection, both sides are whitened, w = (F + λI)^(-1/2) g, then projected (Gaussian, Rademacher, or
     # LoGra's Φ_out ⊗ Φ_in), so score ≈ ⟨Φ w_t, Φ w_i⟩ and self-influence stays exact.
 
-    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor) -> Batch:
-        batch = super().gradient_batch(x, y)
+    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> Batch:
+        batch = super().gradient_batch(x, y, measure)
         inputs, grads = {}, {}
         for layer in self.layers:
             inputs[layer.name], g = self.solvers[layer.block].rotate(batch.a(layer.name), batch.g(layer.name))  # type: ignore[attr-defined]
@@ -243,7 +245,7 @@ class KfacInfluence(InfluenceFunctionModel):
 
     def _dense_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """With a projection the factors are the queries' projected whitened gradients (the split is symmetric)."""
-        return self.gradient_features(x, y) if self.projector is not None else super()._dense_factors(x, y)
+        return self.gradient_features(x, y, measure=True) if self.projector is not None else super()._dense_factors(x, y)
 
     def _exact_self_plan(self) -> SelfInfluencePlan:
         return Diagonal({layer.name: 1.0 / self.solvers[layer.block].damped(torch.float64) for layer in self.layers})  # type: ignore[attr-defined]

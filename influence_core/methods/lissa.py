@@ -96,5 +96,5 @@ class LissaInfluence(InfluenceFunctionModel):
     def repeat_factors(self, x: torch.Tensor, y: torch.Tensor, index: int) -> torch.Tensor:
         """Repeat `index`'s term of the dense query factors (n_test, p'); the terms of repeats 0..T-1, added in
         `pairwise_sum`'s tree, are the dense factors: one Dask task per repeat in the pipeline (FastIF's parallel s_test)."""
-        features = self.gradient_features(x, y)
+        features = self.gradient_features(x, y, measure=True)
         return self._per_block(features, self._feature_slices(), lambda solver, f: solver.repeat(f, index))

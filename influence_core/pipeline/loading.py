@@ -44,7 +44,8 @@ def train_batches(data: DataRef, options: dict[str, Any], batch_size: int) -> Ba
 def load_model(model: ModelRef, options: dict[str, Any]) -> nn.Module:
     """The trained module: rebuilt from its spec, weights read with weights_only=True."""
     spec = ModelSpec.model_validate(model.spec)
-    module = spec.build(model.in_features, model.out_features).to(getattr(torch, spec.dtype))
+    shape = tuple(model.feature_shape) if model.feature_shape is not None else None
+    module = spec.build(model.in_features, model.out_features, shape).to(getattr(torch, spec.dtype))
     return load_into(module, load_state(model.url, options, field="model"), field="model")
 
 
@@ -58,7 +59,7 @@ def load_influence_model(
     method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, options: dict[str, Any]
 ) -> InfluenceFunctionModel:
     """The influence model with its stored curvature state, bound to the stored training data."""
-    im = method.build(load_model(model, options), ModelSpec.model_validate(model.spec).loss)
+    im = method.build(load_model(model, options), ModelSpec.model_validate(model.spec).make_task())
     state = load_state(curvature.url, options, field="preconditioner")
     return im.load_state_dict(state, train=train_batches(data, options, method.batch_size))
 

@@ -45,7 +45,7 @@ class FactorJob:
     options: dict[str, Any]
 
     def influence_model(self) -> KfacInfluence:
-        im = self.method.build(load_model(self.model, self.options), ModelSpec.model_validate(self.model.spec).loss)
+        im = self.method.build(load_model(self.model, self.options), ModelSpec.model_validate(self.model.spec).make_task())
         assert isinstance(im, KfacInfluence)
         return im
 
@@ -95,7 +95,7 @@ def check_method(method: MethodSpec, model: ModelSpec, data: DataRef) -> None:
 
 
 def _fit(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, client_factory: Callable[[], Any], loc: StageLocation) -> dict[str, Any]:
-    im = method.build(load_model(model, store.options), ModelSpec.model_validate(model.spec).loss)
+    im = method.build(load_model(model, store.options), ModelSpec.model_validate(model.spec).make_task())
     batches = train_batches(data, store.options, method.batch_size)
     if isinstance(im, KfacInfluence):
         batch = next(iter(batches))

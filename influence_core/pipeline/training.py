@@ -27,14 +27,12 @@ def plan(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore
 def _fit(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
     arrays = open_data(data, store.options)
     with torch.random.fork_rng():
-        torch.manual_seed(training.seed)  # initialisation is part of the seeded, reproducible fit
+        torch.manual_seed(training.seed)  # initialisation and dropout masks are part of the seeded, reproducible fit
         model = build_model(spec, data)
-    check_model_fits(model, spec, arrays["x_train"], arrays["y_train"])
-    if spec.checkpoint:
-        load_into(model, load_state(spec.checkpoint, store.options))
-        train_loss = None
-    else:
-        train_loss = train(model, spec, training, arrays["x_train"], arrays["y_train"])
+        if spec.checkpoint:  # a checkpoint for another model is named as such, before the outputs are checked
+            load_into(model, load_state(spec.checkpoint, store.options))
+        check_model_fits(model, spec, arrays["x_train"], arrays["y_train"])
+        train_loss = None if spec.checkpoint else train(model, spec, training, arrays["x_train"], arrays["y_train"])
     raw = state_bytes(model)
     url = loc.path("model.pt")
     storage.write_bytes(url, raw, store.options)
@@ -47,6 +45,7 @@ def _fit(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore
         "spec": spec.model_dump(mode="json"),
         "in_features": int(torch.Size(data.feature_shape).numel()),
         "out_features": int(model(torch.zeros(1, *data.feature_shape, dtype=first.dtype)).shape[-1]),
+        "feature_shape": list(data.feature_shape),
         "train_loss": train_loss,
     }
 
