@@ -109,15 +109,19 @@ def test_artifacts_show_the_report_and_every_top_k_column(s3_run):
 
     import s3fs
     from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
 
     params, summary, store, group, arrays = s3_run
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": params.storage.endpoint_url})
     inline = "data:image/png;base64," + base64.b64encode(fs.cat_file("flow-results/run/report.png")).decode()
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts()
-    (report,) = [a for a in artifacts if a.key == "influence-report" and a.data == inline]
-    (table,) = [a for a in artifacts if a.key == "influence-topk" and a.flow_run_id == report.flow_run_id]
-    assert report.type == "image"
+    with get_client(sync_client=True) as client:  # this module's run: the last completed one into its output_url
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.COMPLETED]))), sort=FlowRunSort.END_TIME_DESC)
+        flow_run = next(r for r in runs if r.parameters.get("output_url") == params.output_url)
+        artifacts = {a.key: a for a in client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))}
+    report, table = artifacts["influence-report"], artifacts["influence-topk"]
+    assert report.type == "image" and report.data == inline
     rows = json.loads(table.data)
     k = params.aggregate.top_k
     assert list(rows[0]) == ["query", "label", *[f"helpful_{i}" for i in range(1, k + 1)], *[f"harmful_{i}" for i in range(1, k + 1)]]
