@@ -11,6 +11,7 @@ from torch import nn
 from influence_core import DirectInfluence, EkfacInfluence, IdentityInfluence, KfacInfluence, Projection
 from influence_core.layers import capture, select_layers
 from influence_core.objective import Objective
+from influence_core.task import Classification
 from tests.problems import Problem, digits, fit_classifier, mean_curvature, minimise, mlp
 
 
@@ -102,7 +103,7 @@ def test_logra_equals_explicit_projection_of_materialised_gradients(make_model, 
     x, y = torch.randn(7, *shape, dtype=torch.float64), torch.randint(0, 4, (7,))
     layers = select_layers(model)
     projector = Projection("logra", dim=9, seed=3).build(layers)
-    cap = capture(model, layers, F.cross_entropy, x, y)
+    cap = capture(model, layers, Classification(), x, y)
     full = Objective(model, "cross_entropy").per_sample_grads(x, y)  # vmap, parameter order
     offset = 0
     for i, layer in enumerate(layers):
