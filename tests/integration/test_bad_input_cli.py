@@ -250,7 +250,8 @@ def test_bad_input_is_refused_early(case: Case, earlier: Path, tmp_path: Path) -
         return
     run = assert_stopped_at(str(earlier), case.stages)
     new = {name.split("/")[1] for name in manifests(earlier) - before}
-    assert new == run.completed, f"new manifests of {new}, but completed {run.completed}"  # the refusing stage wrote none
+    found = {name.split("/")[1] for name in before}  # stage keys do not depend on where the output lives: the earlier run's stages of equal inputs are found complete
+    assert new <= run.completed <= new | found, f"new manifests of {new}, but completed {run.completed}"  # the refusing stage wrote none
 
 
 def test_pickle_checkpoint_is_refused_without_running_its_code(earlier: Path, tmp_path: Path) -> None:
