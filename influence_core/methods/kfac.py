@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from ..batches import Batches, Data, as_batches
+from ..batches import Batches, Data
 from ..blocks import BlockCurvature, Regularization
 from ..contraction import Batch
 from ..errors import ConfigError
