@@ -121,7 +121,11 @@ def retrain_subset(spec: dict[str, Any], member: int, k: int) -> str:
     return str(out)
 
 
-def measured_losses(client: Any, spec: dict[str, Any], member: int = 0) -> np.ndarray:
-    """(SUBSETS, N_QUERIES) query losses of the subset models, retrained on the cluster where not cached."""
-    futures = client.map(retrain_subset, [spec] * SUBSETS, [member] * SUBSETS, range(SUBSETS), pure=False)
+def retrain(client: Any, spec: dict[str, Any], member: int = 0) -> list[Any]:
+    """Submit the subset models' retraining, one task per subset (a cached subset returns at once): the futures."""
+    return client.map(retrain_subset, [spec] * SUBSETS, [member] * SUBSETS, range(SUBSETS), pure=False)
+
+
+def measured_losses(client: Any, futures: list[Any]) -> np.ndarray:
+    """(SUBSETS, N_QUERIES) query losses of the subset models, once their tasks are done."""
     return np.stack([np.load(path) for path in client.gather(futures)])
