@@ -145,9 +145,9 @@ def arnoldi_ranks(w: Workload, lam: float, masks: np.ndarray, measured: np.ndarr
     return out
 
 
-def evaluate(problem: str, pythons: dict[str, str], client: Any, futures: list[Any]) -> dict[str, Any]:
-    """Every row of one problem: all methods at λ, the peers, the damping grid, the Arnoldi ranks."""
-    root = dm.prepare(dm.PROBLEMS[problem])
+def evaluate(problem: str, root: Path, pythons: dict[str, str], client: Any, futures: list[Any]) -> dict[str, Any]:
+    """Every row of one problem (its workload directory `root`): all methods at λ, the peers, the damping grid, the
+    Arnoldi ranks."""
     masks, measured = dm.subset_masks(), dm.measured_losses(client, futures)
     w = load_workload(root, torch.float64)
     factories = ours(w)
@@ -281,11 +281,13 @@ def main() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "peers"), str(ROOT), os.environ.get("PYTHONPATH", "")])
         pythons = venv_pythons()
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
-            # every problem's retraining is submitted first; the driver scores a problem while the workers retrain the next
-            futures = {name: dm.retrain(client, spec) for name, spec in dm.PROBLEMS.items() if dm.prepare(spec)}
+            # all training is submitted first (full models, then subsets); the driver scores a problem while the
+            # workers train the next
+            prepared = {name: client.submit(dm.prepare, spec, pure=False) for name, spec in dm.PROBLEMS.items()}
+            futures = {name: dm.retrain(client, spec) for name, spec in dm.PROBLEMS.items()}
             data = {"commit": measured_commit(), "problems": []}
             for name in dm.PROBLEMS:  # lds.json grows problem by problem, so a failure keeps what was measured
-                data["problems"].append(evaluate(name, pythons, client, futures[name]))
+                data["problems"].append(evaluate(name, prepared[name].result(), pythons, client, futures[name]))
                 (RESULTS / "lds.json").write_text(json.dumps(data, indent=1))
     data = json.loads((RESULTS / "lds.json").read_text())
     write_section(section(data))
