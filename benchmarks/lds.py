@@ -253,7 +253,7 @@ def section(data: dict[str, Any]) -> str:
     header = (__doc__ or "").split("\n\n", 2)[2]
     return "\n".join([
         "## Linear datamodeling score (LDS)", "", header, "", recipe, "",
-        f"Measured at commit {data['commit']}, on a 2-core machine shared with other work (seconds are indicative); "
+        f"Measured at commit {', '.join(sorted({p['commit'] for p in results}))}, on a 2-core machine shared with other work (seconds are indicative); "
         f"query accuracy of the full models: " + ", ".join(f"{p['problem']} {p['query_accuracy']:.2f}" for p in results) + ".", "",
         *main_table(results), "", "![LDS against seconds](lds.png)", "",
         "### Targets (issue 23)", "", *targets(results), "",
@@ -269,9 +269,18 @@ def write_section(text: str) -> None:
     path.write_text(kept + text)
 
 
+def save(result: dict[str, Any]) -> None:
+    """Put one problem's result into lds.json, replacing its earlier one and keeping the others, in PROBLEMS order."""
+    path = RESULTS / "lds.json"
+    kept = {p["problem"]: p for p in (json.loads(path.read_text())["problems"] if path.exists() else [])}
+    kept[result["problem"]] = result
+    path.write_text(json.dumps({"problems": [kept[name] for name in dm.PROBLEMS if name in kept]}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report-only", action="store_true", help="rewrite the section and plot from lds.json")
+    parser.add_argument("--problem", action="append", choices=list(dm.PROBLEMS), help="measure only these (repeatable); the others' rows in lds.json are kept")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     torch.set_default_dtype(torch.float64)
@@ -283,12 +292,11 @@ def main() -> None:
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
             # all training is submitted first (full models, then subsets); the driver scores a problem while the
             # workers train the next
-            prepared = {name: client.submit(dm.prepare, spec, pure=False) for name, spec in dm.PROBLEMS.items()}
-            futures = {name: dm.retrain(client, spec) for name, spec in dm.PROBLEMS.items()}
-            data = {"commit": measured_commit(), "problems": []}
-            for name in dm.PROBLEMS:  # lds.json grows problem by problem, so a failure keeps what was measured
-                data["problems"].append(evaluate(name, prepared[name].result(), pythons, client, futures[name]))
-                (RESULTS / "lds.json").write_text(json.dumps(data, indent=1))
+            names = args.problem or list(dm.PROBLEMS)
+            prepared = {name: client.submit(dm.prepare, dm.PROBLEMS[name], pure=False) for name in names}
+            futures = {name: dm.retrain(client, dm.PROBLEMS[name]) for name in names}
+            for name in names:  # lds.json is updated problem by problem, so a failure keeps what was measured
+                save({**evaluate(name, prepared[name].result(), pythons, client, futures[name]), "commit": measured_commit()})
     data = json.loads((RESULTS / "lds.json").read_text())
     write_section(section(data))
     plot(data["problems"], RESULTS / "lds.png")
