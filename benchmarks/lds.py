@@ -249,16 +249,17 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 def section(data: dict[str, Any]) -> str:
     """The LDS section of quality.md, from lds.json."""
     results = data["problems"]
-    recipe = (dm.__doc__ or "").split("\n\n")[0]
+    recipe = (dm.__doc__ or "").split("\n\n")[1]
     header = (__doc__ or "").split("\n\n", 2)[2]
     return "\n".join([
         "## Linear datamodeling score (LDS)", "", header, "", recipe, "",
         f"Measured at commit {', '.join(sorted({p['commit'] for p in results}))}, on a 2-core machine shared with other work (seconds are indicative); "
-        f"query accuracy of the full models: " + ", ".join(f"{p['problem']} {p['query_accuracy']:.2f}" for p in results) + ".", "",
+        f"query accuracy of the full models: " + ", ".join(f"{p['problem']} {p['query_accuracy']:.2f}" for p in results) + ".",
+        "Not measured yet (run `benchmarks/lds.py --problem NAME`): " + (", ".join(n for n in dm.PROBLEMS if n not in {p["problem"] for p in results}) or "none") + ".", "",
         *main_table(results), "", "![LDS against seconds](lds.png)", "",
         "### Targets (issue 23)", "", *targets(results), "",
         "### Damping: LDS across λ (ours; best per row in bold)", "", *damping_table(results), "",
-        "### Arnoldi: why the top-r eigenbasis alone falls below the gradient dot product", "", *arnoldi_table(results), "",
+        "### Arnoldi: what the top-r eigenbasis keeps, alone and with the complement (exact eigendecomposition)", "", *arnoldi_table(results), "",
     ])
 
 
