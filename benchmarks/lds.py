@@ -236,7 +236,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             if r["lam"] != LAMBDA or r["lds"] is None:
                 continue
             ax.errorbar(max(r["seconds"], 1e-3), r["lds"], yerr=r["stderr"], fmt=markers[r["side"]], capsize=2, color="C0" if r["side"] == "ours" else "C3" if r["side"] == "kronfluence" else "C2")
-            ax.annotate(f"{r['side'][:4]}: {r['method'].split(' (')[0]}", (max(r["seconds"], 1e-3), r["lds"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+            ax.annotate(f"{r['side'][:4]}: {r['method'].split(' (')[0]}{' + complement' if 'complement' in r['method'] else ''}", (max(r["seconds"], 1e-3), r["lds"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel("seconds (fit + all scores, 2 threads)")
         ax.set_ylabel("LDS (mean over queries ± s.e.)")
