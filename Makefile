@@ -33,8 +33,11 @@ test-fast: $(STAMP)
 serve: $(STAMP)
 	infra/serve.sh
 
+# Agreement, leave-one-out and mislabels (quality.py), then the LDS of every method and the peers' (lds.py: retrained
+# subset models cached under benchmarks/.scratch/lds/, the peers' venvs built on first use under benchmarks/.venvs/)
 quality: $(STAMP)
 	$(BIN)/python benchmarks/quality.py
+	$(BIN)/python benchmarks/lds.py
 
 # Side by side with pyDVL 0.10 and Kronfluence 1.0.1 (their venvs are built on first use under benchmarks/.venvs/)
 bench: $(STAMP)

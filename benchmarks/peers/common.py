@@ -27,9 +27,18 @@ ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 
 def build_model(spec: dict[str, Any]) -> nn.Sequential:
     """Sequential(Flatten, Linear, act, ..., Linear): the layout of the pipeline's `ModelSpec.build`, so one
-    state_dict serves the library, the peers and the pipeline (`model.checkpoint`)."""
+    state_dict serves the library, the peers and the pipeline (`model.checkpoint`). With `conv` (channels per 3×3
+    layer) and `image` ([C, H, W]) the flat input is first unflattened and convolved: a small CNN (benchmarks/lds.py)."""
     layers: list[nn.Module] = [nn.Flatten()]
     width = spec["features"]
+    if spec.get("conv"):
+        channels, height, side = spec["image"]
+        layers.append(nn.Unflatten(1, (channels, height, side)))
+        for out in spec["conv"]:
+            layers += [nn.Conv2d(channels, out, 3), ACTIVATIONS[spec["activation"]]()]
+            channels, height, side = out, height - 2, side - 2
+        layers.append(nn.Flatten())
+        width = channels * height * side
     for h in spec["hidden"]:
         layers += [nn.Linear(width, h), ACTIVATIONS[spec["activation"]]()]
         width = h
@@ -99,6 +108,7 @@ def runner_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--regularization", type=float, required=True, help="λ, absolute, the same on every side")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0, help="torch seed (sampled labels, random sketches)")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="dtype of the model and inputs")
     return p
 
 
@@ -110,7 +120,7 @@ def run_side(description: str, body: Callable[[argparse.Namespace, Workload, Sta
     torch.manual_seed(args.seed)
     real_stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):
-        workload = load_workload(args.workload)
+        workload = load_workload(args.workload, getattr(torch, args.dtype))
         stages = Stages()
         scores, info = body(args, workload, stages)
     scores = scores.detach().to(torch.float32).cpu().numpy()

@@ -1,4 +1,4 @@
-"""Kronfluence 1.0.1's side of the peer benchmark: EK-FAC factors and pairwise scores, run in Kronfluence's venv.
+"""Kronfluence 1.0.1's side of the peer benchmark: EK-FAC (or K-FAC) factors and pairwise scores, in its venv.
 
     benchmarks/.venvs/kronfluence/bin/python benchmarks/peers/kronfluence_runner.py --workload DIR --method ekfac \
         --options '{"batch_size": 256}' --scores S.npy
@@ -56,8 +56,8 @@ def body(args: argparse.Namespace, w: Workload, stages: Stages) -> tuple[torch.T
             return F.cross_entropy(model(x), y, reduction="sum")
 
     options = json.loads(args.options)
-    if args.method != "ekfac":
-        raise SystemExit(f"kronfluence runner: method {args.method!r} is not benchmarked (ekfac only)")
+    if args.method not in ("ekfac", "kfac"):
+        raise SystemExit(f"kronfluence runner: method {args.method!r} is not benchmarked (ekfac or kfac)")
     batch_size = int(options.get("batch_size", 256))
     task = Classification()
     model = prepare_model(w.model, task)
@@ -66,10 +66,10 @@ def body(args: argparse.Namespace, w: Workload, stages: Stages) -> tuple[torch.T
     with tempfile.TemporaryDirectory(prefix="kronfluence-") as out:
         analyzer = Analyzer("peers", model, task, cpu=True, output_dir=out, disable_tqdm=True)
         with stages.time("fit"):
-            analyzer.fit_all_factors("ekfac", train, per_device_batch_size=batch_size, factor_args=FactorArguments(strategy="ekfac"))
+            analyzer.fit_all_factors(args.method, train, per_device_batch_size=batch_size, factor_args=FactorArguments(strategy=args.method))
         with stages.time("scoring"):
             analyzer.compute_pairwise_scores(
-                "scores", "ekfac", query, train,
+                "scores", args.method, query, train,
                 per_device_query_batch_size=len(query), per_device_train_batch_size=batch_size, score_args=score_args,
             )
         scores = analyzer.load_pairwise_scores("scores")["all_modules"]
