@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from influence_core import storage
+from influence_core.pipeline.store import RunStore
 from tests.helpers import small_params
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +42,9 @@ def run_in_process(output: Path, method: dict, cluster: str, omp_threads: int) -
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads((output / "summary.json").read_text())
+    summary = json.loads((output / "summary.json").read_text())
+    store = RunStore(output_url=str(output))  # summary.json records locations relative to the output's root
+    return {**summary, "influence": store.resolve(summary["influence"]), "stages": {name: {**stage, "url": store.resolve(stage["url"])} for name, stage in summary["stages"].items()}}
 
 
 def stage_outputs(summary: dict) -> dict[str, np.ndarray]:
