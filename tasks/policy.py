@@ -18,7 +18,7 @@ from prefect import Task
 from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
-from prefect.filesystems import RemoteFileSystem, WritableFileSystem
+from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.settings import PREFECT_HOME
 
@@ -93,15 +93,13 @@ def portable(stage: Callable[..., R]) -> Callable[..., R]:
     return relative
 
 
-def result_storage(store: RunStore) -> WritableFileSystem | Path:
+def result_storage(store: RunStore) -> WritableFileSystem:
     """Prefect results go beside the stage outputs, in the run's store, so any worker on any machine that shares
-    the store finds a cached stage. A local store is a plain path (Prefect records absolute keys and reads them
-    back without a block), so no block is saved per output URL; S3 needs a saved block (the endpoint only: S3
-    credentials stay in the environment), one per cache location."""
+    the store finds a cached stage. The block is saved (Prefect records an unsaved storage's keys as absolute paths,
+    which would tie the output to where it was written); S3 credentials stay in the environment, only the endpoint
+    travels."""
     url = storage.join(store.cache_url, "prefect-results")
-    if not storage.is_remote(url):
-        return Path(url).absolute()
-    block = RemoteFileSystem(basepath=url, settings=store.options)
+    block: WritableFileSystem = RemoteFileSystem(basepath=url, settings=store.options) if storage.is_remote(url) else LocalFileSystem(basepath=url)
     block.save(f"influence-results-{hashlib.sha256(url.encode()).hexdigest()[:16]}", overwrite=True)
     return block
 

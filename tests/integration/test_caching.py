@@ -82,18 +82,3 @@ def test_local_cluster_kind_gives_identical_scores(first_run, tmp_path):
     _, arrays = read_outputs(local.store())
     np.testing.assert_array_equal(arrays["scores"], sequential["scores"])
 
-
-def test_local_results_need_no_block_per_output_url(tmp_path):
-    """Prefect's results of a local run are files beside its stages, read back by path: runs to two output URLs
-    save no result-storage block on the server, and a rerun is served from those files (state Cached)."""
-    from prefect import get_client
-
-    first, second = (small_params(str(tmp_path / name)) for name in ("a", "b"))
-    influence_run(**first.sections())
-    influence_run(**second.sections())
-    with get_client(sync_client=True) as client:
-        names = [block.name for block in client.read_block_documents()]
-    assert not [name for name in names if name.startswith("influence-results-")], names
-    records = list((tmp_path / "a" / "stages" / "prefect-results").iterdir())
-    assert len(records) >= len(STAGES)
-    assert set(outcomes(influence_run(**first.sections())).values()) == {"cached"}
