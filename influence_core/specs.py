@@ -122,7 +122,7 @@ class ModelSpec(Spec):
     factory: str | None = Field(None, title="Model factory", description="`package.module:callable` that returns your torch.nn.Module, called with `options`; replaces architecture, hidden, activation, channels and output_dim.")
     options: dict[str, Any] = Field({}, title="Factory options", description="Keyword arguments of the model factory.")
     loss: LossName = Field("cross_entropy", title="Loss", description="Training loss, also the loss whose influence is measured (cross_entropy: the classification task, mse: regression).")
-    task: Literal["classification", "regression", "language_modelling"] | None = Field(None, title="Task", description="What is attributed, a built-in task (influence_core.task); empty: the loss's task. Training uses the task's loss.")
+    task: Literal["auto", "classification", "regression", "language_modelling"] = Field("auto", title="Task", description="What is attributed, a built-in task (influence_core.task); auto: the loss's task. Training uses the task's loss.")
     measurement: Literal["loss", "margin"] = Field("loss", title="Query measurement", description="What the queries' scores are the gradient of: the loss, or (classification) minus the margin of the true class.")
     checkpoint: str | None = Field(None, title="Checkpoint", description="A state_dict file (local or s3://) to load instead of training: .safetensors, or a torch.save file read with torch.load(weights_only=True).")
     dtype: Literal["float32", "float64"] = Field("float32", title="Precision", description="Parameter dtype; results follow it.")
@@ -137,7 +137,7 @@ class ModelSpec(Spec):
 
     @property
     def task_name(self) -> str:
-        return self.task or LOSS_TASKS[self.loss]
+        return LOSS_TASKS[self.loss] if self.task == "auto" else self.task
 
     def make_task(self) -> Task:
         """The Task influence attributes, and training minimises."""
