@@ -25,7 +25,6 @@ from influence_core.pipeline.store import RunStore
 from influence_core.refs import StageRef
 from influence_core.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
 from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data
-from tasks.policy import result_storage
 from tasks.publish import publish_run
 
 from . import refusals
@@ -41,7 +40,6 @@ class StageRunner:
 
     def __init__(self, store: RunStore) -> None:
         self.store = store
-        self.storage = result_storage(store)
         self.started = datetime.now(timezone.utc)
         self.refs: dict[str, StageRef] = {}
         self.outcomes: dict[str, dict[str, Any]] = {}
@@ -49,7 +47,7 @@ class StageRunner:
     def __call__(self, stage: Task[..., R], **inputs: Any) -> R:
         present = stage.cache_policy.planner(**inputs).existing() is not None  # type: ignore[union-attr]
         wall = time.perf_counter()
-        state = stage.with_options(refresh_cache=not present, result_storage=self.storage)(**inputs, return_state=True)
+        state = stage.with_options(refresh_cache=not present)(**inputs, return_state=True)
         ref: R = state.result().moved(self.store.resolve)  # stored relative to the output's root, which may have moved
         if state.name == "Cached":
             outcome = "cached"
