@@ -15,10 +15,12 @@ from influence_core.refs import DataRef, StageRef
 from influence_core.report import summary_markdown, table_records
 from influence_core.specs import AggregateSpec
 
+from .policy import is_transient
+
 TABLE_MAX_K = 10  # helpful and harmful columns each in the table artifact; a wider table is unreadable in the UI
 
 
-@task(name="publish", retries=2, retry_delay_seconds=[2, 10])
+@task(name="publish", retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=is_transient)
 def publish_run(store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], aggregate: AggregateSpec) -> dict[str, Any]:
     """Write the report and summary, mark the run complete, and publish the top-k table, report and summary artifacts."""
     summary, rows = publish.publish(store, refs, config, stages, aggregate.report_queries)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -55,12 +56,13 @@ def begin_run(store: RunStore, fingerprint: str, overwrite: bool) -> None:
     aggregation stage that rewrites part of it flags it. Stages before this write only their own content-addressed
     outputs, so a run refused for bad input leaves an earlier run as it was."""
     check_owner(store, fingerprint, overwrite)
-    repaired = damage.repair(store.influence_url, store.options)  # damaged metadata: those arrays are recomputed
-    group = storage.open_group(store.influence_url, store.options, mode="a")
-    if group.attrs.get("run_fingerprint") != fingerprint:
-        group.attrs.put({"status": "running", "run_fingerprint": fingerprint})
-    elif repaired:
-        group.attrs["status"] = "running"
+    with store.writing("the run's start", "a few kB for influence.zarr's metadata"):
+        repaired = damage.repair(store.influence_url, store.options)  # damaged metadata: those arrays are recomputed
+        group = storage.open_group(store.influence_url, store.options, mode="a")
+        if group.attrs.get("run_fingerprint") != fingerprint:
+            group.attrs.put({"status": "running", "run_fingerprint": fingerprint})
+        elif repaired:
+            group.attrs["status"] = "running"
 
 
 def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
@@ -88,7 +90,7 @@ def publish(
     assert isinstance(data, DataRef)
     rows = query_rows(store, data, n_queries)
     arrays = open_data(data, store.options)
-    storage.write_bytes(store.url("report.png"), render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape), store.options)
+    png = render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape)
     summary = {
         "status": "complete",
         "finished_at": datetime.now(timezone.utc).isoformat(),
@@ -103,21 +105,25 @@ def publish(
         "code_version": CODE_VERSION,
         "versions": package_versions(),
     }
-    storage.write_json(store.url("summary.json"), portable_summary(store, summary), store.options)
-    prune(store, refs)
-    group = storage.open_group(store.influence_url, store.options, mode="a")
-    group.attrs.update(
-        {
-            "schema_version": SCHEMA_VERSION,
-            **SCORE_CONVENTION,
-            "config": portable_config(config),
-            "fingerprints": {name: ref.fingerprint for name, ref in refs.items()},
-            "refs": {name: ref.moved(store.relative).model_dump(mode="json") for name, ref in refs.items()},
-            "versions": summary["versions"],
-            "stage_timings": {name: stage["seconds"] for name, stage in stages.items()},
-        }
-    )
-    group.attrs["status"] = "complete"
+    stored = portable_summary(store, summary)
+    need = f"{storage.megabytes(len(png) + len(json.dumps(stored, default=str)))} for report.png and summary.json"
+    with store.writing("publish", need):  # a full disk here is one line too, and status stays running
+        storage.write_bytes(store.url("report.png"), png, store.options)
+        storage.write_json(store.url("summary.json"), stored, store.options)
+        prune(store, refs)
+        group = storage.open_group(store.influence_url, store.options, mode="a")
+        group.attrs.update(
+            {
+                "schema_version": SCHEMA_VERSION,
+                **SCORE_CONVENTION,
+                "config": portable_config(config),
+                "fingerprints": {name: ref.fingerprint for name, ref in refs.items()},
+                "refs": {name: ref.moved(store.relative).model_dump(mode="json") for name, ref in refs.items()},
+                "versions": summary["versions"],
+                "stage_timings": {name: stage["seconds"] for name, stage in stages.items()},
+            }
+        )
+        group.attrs["status"] = "complete"
     return summary, rows
 
 
