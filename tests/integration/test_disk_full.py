@@ -71,6 +71,7 @@ def fill(path: Path) -> None:
         assert exc.errno == errno.ENOSPC
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_publishing_fails_in_one_line_and_the_run_stays_running(small_disk: Path, tmp_path: Path) -> None:
     """The closing writes (report.png, summary.json, the group's attributes) get the same one line as the stages:
     a finished run on the small disk, its report and summary gone and the disk then filled, reruns with every stage
