@@ -38,9 +38,14 @@ class StagePolicy(CachePolicy):
 
     planner: Optional[Callable[..., StageCall[Any]]] = None
 
-    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> Optional[str]:
+    def plan(self, inputs: dict[str, Any]) -> StageCall[Any]:
+        """The stage call of the task's arguments (those the planner takes: a task may need more to run than to plan)."""
         assert self.planner is not None
-        return self.planner(**inputs).key
+        accepted = inspect.signature(self.planner).parameters
+        return self.planner(**{name: value for name, value in inputs.items() if name in accepted})
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> Optional[str]:
+        return self.plan(inputs).key
 
 
 class CrashSafeLockManager(FileSystemLockManager):

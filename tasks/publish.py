@@ -12,7 +12,7 @@ from influence_core import storage
 from influence_core.pipeline import publish
 from influence_core.pipeline.store import RunStore
 from influence_core.refs import DataRef, StageRef
-from influence_core.report import summary_markdown, table_records
+from influence_core.report import summary_markdown, table_records, validation_markdown
 from influence_core.specs import AggregateSpec
 
 from .policy import is_transient
@@ -32,6 +32,8 @@ def publish_run(store: RunStore, refs: dict[str, StageRef], config: dict[str, An
     create_table_artifact(table_records(table), key="influence-topk", description=f"The {shown} most helpful and {shown} most harmful training examples{of} for the first {len(rows)} queries")
     create_image_artifact(report_data_url(store), key="influence-report", description=f"report.png ({summary['report']}): queries beside their most helpful and most harmful training examples")
     create_markdown_artifact(summary_markdown(summary), key="influence-summary", description="Influence run summary")
+    if "validation" in summary:
+        create_markdown_artifact(validation_markdown(summary["validation"]), key="influence-validation", description="The run's linear datamodeling score")
     return summary
 
 

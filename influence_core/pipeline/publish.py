@@ -11,8 +11,8 @@ from typing import Any
 from .. import storage
 from ..errors import ConfigError
 from ..layout import SCORE_CONVENTION
-from ..refs import DataRef, ModelRef, StageRef
-from ..report import QueryRow, render_report, topk_rows
+from ..refs import DataRef, ModelRef, StageRef, ValidationRef
+from ..report import QueryRow, lds_line, render_report, topk_rows
 from ..version import CODE_VERSION
 from . import damage
 from .loading import open_data
@@ -20,6 +20,7 @@ from .store import RunStore
 
 SCHEMA_VERSION = 1
 REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
+VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "subsets", "subsets_computed", "fraction", "queries")
 PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
 
 
@@ -90,7 +91,9 @@ def publish(
     assert isinstance(data, DataRef)
     rows = query_rows(store, data, n_queries)
     arrays = open_data(data, store.options)
-    png = render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape)
+    validation = refs.get("validate")
+    validated = validation.model_dump(include=set(VALIDATION_FIELDS)) if isinstance(validation, ValidationRef) else None
+    png = render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape, None if validated is None else lds_line(validated))
     summary = {
         "status": "complete",
         "finished_at": datetime.now(timezone.utc).isoformat(),
@@ -100,6 +103,7 @@ def publish(
         "n_train": data.n_train,
         "n_test": data.n_test,
         "parameters": refs["fit_preconditioner"].parameters,  # which of the model's parameters the scores are over
+        **({} if validated is None else {"validation": validated}),
         "stages": stages,
         "config": config,
         "code_version": CODE_VERSION,
