@@ -280,6 +280,10 @@ class ArnoldiMethod(CurvatureMethod, Projected):
     rank: int = Field(10, ge=1, title="Rank", description="Eigenpairs kept (at most p).")
     krylov_dim: int | None = Field(None, ge=1, title="Krylov dimension", description="Size of the Krylov space (≥ rank; empty: 2·rank).")
     seed: int = Field(0, title="Seed", description="Seed of the starting vector.")
+    complement: bool = Field(
+        False, title="Keep the complement",
+        description="Also keep the space outside the top eigenbasis, weighted 1/(mean remaining eigenvalue + λ), as Nyström does; off: that space is dropped (scores in rank-r space).",
+    )
 
 
 class NystroemMethod(CurvatureMethod, Projected):

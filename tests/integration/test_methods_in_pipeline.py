@@ -16,6 +16,7 @@ METHODS = {
     "cg": {"name": "cg", "regularization": 1e-2, "rtol": 1e-8, "preconditioner": "nystroem", "preconditioner_rank": 8},
     "lissa": {"name": "lissa", "regularization": 1e-1, "depth": 300, "lissa_batch_size": 240, "scale": 5.0, "rtol": 1e-8},
     "arnoldi": {"name": "arnoldi", "regularization": 1e-2, "rank": 12, "krylov_dim": 40},
+    "arnoldi with complement": {"name": "arnoldi", "regularization": 1e-2, "rank": 12, "krylov_dim": 40, "complement": True},
     "nystroem": {"name": "nystroem", "regularization": 1e-2, "rank": 12, "block_structure": "layer_wise"},
     "datainf": {"name": "datainf", "regularization": {"1": 0.1, "3": 0.05}},
     "identity": {"name": "identity"},

@@ -72,3 +72,13 @@ def test_full_rank_with_complement_is_exact(problem):
     im = ArnoldiInfluence(pr.model, "cross_entropy", LAM, second_order_mode="gauss_newton", rank=p, krylov_dim=p, complement=True).fit(pr.train)
     exact = query @ torch.linalg.solve(curvature + LAM * torch.eye(p, dtype=torch.float64), grads.T)
     torch.testing.assert_close(im.influences(pr.x_test, pr.y_test, *pr.train), exact, rtol=1e-6, atol=1e-8)
+
+
+def test_the_pipeline_parameter_reaches_the_library(problem):
+    """method.complement builds the library's ArnoldiInfluence with the complement kept (and off by default)."""
+    from influence_core.specs import ArnoldiMethod
+
+    pr = problem[0]
+    on = ArnoldiMethod(regularization=LAM, rank=RANK, complement=True).build(pr.model, "cross_entropy")
+    off = ArnoldiMethod(regularization=LAM, rank=RANK).build(pr.model, "cross_entropy")
+    assert (on.complement, off.complement) == (True, False)
