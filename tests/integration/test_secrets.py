@@ -109,8 +109,8 @@ def test_no_credential_reaches_any_output(secrets: tuple[str, str], s3_endpoint:
     assert "train chunks" in places["prefect logs"].decode()
     assert {a.key for a in artifacts} >= {"influence-topk", "influence-summary", "influence-progress"}
     assert s3_endpoint in flow_run.parameters["storage"]["endpoint_url"]
-    results = [place for place in places if place.startswith("local result ")]
-    assert len(results) >= 6 and all(json.loads(places[place]) for place in results)
+    results = [place for place in places if place.startswith("local result ")]  # the session's records: the stages' are JSON
+    assert sum(_is_json(places[place]) for place in results) >= 6
     assert f"{s3_bucket}/run/summary.json" in objects and f"{s3_bucket}/run/report.png" in objects
     assert sum(name.endswith("manifest.json") for name in objects) == 6
     assert f"{s3_bucket}/run/influence.zarr" in attributes and attributes[f"{s3_bucket}/run/influence.zarr"]["status"] == "complete"
@@ -120,6 +120,14 @@ def test_no_credential_reaches_any_output(secrets: tuple[str, str], s3_endpoint:
         for encoded in encodings(secret_value):
             leaks = [place for place, data in places.items() if encoded in data]
             assert not leaks, f"{encoded!r} (from {secret_value[:10]}...) found in {leaks}"
+
+
+def _is_json(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
 
 
 def test_the_search_finds_each_encoding() -> None:
