@@ -12,18 +12,18 @@ from typing import Any, Callable, TypeVar
 from prefect import flow, get_run_logger
 from prefect.tasks import Task
 
-from influence_core.cluster import shared_clusters
+from influence_core.pipeline.cluster import shared_clusters
 from influence_core.pipeline import publish
 from influence_core.pipeline.aggregation import check_top_k
-from influence_core.pipeline.candidates import check_knn_k
+from influence_core.pipeline.candidate_scoring import check_knn_k
 from influence_core.pipeline.preconditioner import check_method
 from influence_core.pipeline.preflight import preflight
 from influence_core.pipeline.runlock import exclusive_run
 from influence_core.pipeline.scoring import space_warning
 from influence_core.pipeline.stage import producer
-from influence_core.pipeline.store import RunStore
-from influence_core.refs import StageRef
-from influence_core.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.refs import StageRef
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
 from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data
 from tasks.policy import result_storage
 from tasks.publish import publish_run

@@ -22,10 +22,11 @@ from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileS
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.settings import PREFECT_HOME
 
-from influence_core import ConfigError, NumericalError, storage
+from influence_core import ConfigError, NumericalError
+from influence_core.pipeline import storage
 from influence_core.pipeline.stage import StageCall
-from influence_core.pipeline.store import RunStore
-from influence_core.refs import StageRef
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.refs import StageRef
 
 R = TypeVar("R", bound=StageRef)
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from prefect import task
 
-from influence_core.cluster import dask_client
-from influence_core.pipeline import aggregation, preconditioner, prepare, scoring
-from influence_core.pipeline import factors as factor_stage
-from influence_core.pipeline import training as training_stage
-from influence_core.pipeline.store import RunStore
-from influence_core.refs import DataRef, ModelRef, ScoresRef, StageRef
-from influence_core.specs import METHOD_CLASSES, AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec
+from influence_core.pipeline.cluster import dask_client
+from influence_core.pipeline import aggregation, preconditioner, prepare, query_factors as factor_stage, scoring, training as training_stage
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.refs import DataRef, ModelRef, ScoresRef, StageRef
+from influence_core.pipeline.specs import METHOD_CLASSES, AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec
 
 from .policy import STAGE_OPTIONS, portable, stage_policy
 from .progress import ChunkProgress

@@ -11,7 +11,7 @@ from ..batches import count_rows
 from ..work import Work
 
 if TYPE_CHECKING:
-    from .base import InfluenceFunctionModel
+    from .influence_model import InfluenceFunctionModel
 
 
 class FeatureCovariance:

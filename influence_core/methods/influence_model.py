@@ -25,7 +25,7 @@ from ..contraction import Batch, GradientSplit, RowOrder, Rows, compress_rows, c
 from ..curvature import CurvatureOperator, SecondOrderMode
 from ..errors import ConfigError
 from ..layers import module_param_names, select_layers
-from ..lowrank import hutchinson_trace, lanczos, nystroem
+from ..spectral import hutchinson_trace, lanczos, nystroem
 from ..objective import Objective
 from ..projection import Projection, Projector, project_batch
 from ..self_influence import SelfInfluenceMode, SelfInfluencePlan, Sketch, Solve, auto_rank, eigen_sketch

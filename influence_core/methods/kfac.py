@@ -27,7 +27,7 @@ from ..objective import Objective
 from ..projection import Projection
 from ..self_influence import Diagonal, SelfInfluencePlan
 from ..task import LossFn, Task, resolve_task
-from .base import BlockSolver, InfluenceFunctionModel
+from .influence_model import BlockSolver, InfluenceFunctionModel
 
 Sums = dict[str, dict[str, torch.Tensor]]
 ROW_BUDGET_BYTES = 256 * 2**20  # per-example gradient matrices are formed this many bytes at a time

@@ -14,7 +14,7 @@ from ..contraction import Batch, Rows, contract, factor_rows, weighted_squares
 from ..self_influence import Diagonal, SelfInfluencePlan, Sketch, Solve
 
 if TYPE_CHECKING:
-    from .base import InfluenceFunctionModel
+    from .influence_model import InfluenceFunctionModel
 
 
 class Scorer:

@@ -21,19 +21,19 @@ import numpy as np
 import torch
 from distributed import Client, as_completed
 
-from .. import storage
-from ..candidates import build_index, candidate_entries, index_kind, module_features, nearest
+from . import storage
+from .knn_prefilter import build_index, candidate_entries, index_kind, module_features, nearest
 from ..errors import ConfigError, NumericalError
-from ..layout import DIMENSIONS, ScoreLayout, score_layout
+from .layout import DIMENSIONS, ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
 from ..methods.scorer import Scorer
-from ..refs import DataRef, ModelRef, ScoresRef, StageRef
-from ..specs import CandidatesSpec, ComputeSpec, MethodSpec
-from ..threads import TASK_THREADS, torch_threads
+from .refs import DataRef, ModelRef, ScoresRef, StageRef
+from .specs import CandidatesSpec, ComputeSpec, MethodSpec
+from .threads import TASK_THREADS, torch_threads
 from ..work import Work
 from .loading import load_influence_model, load_model, open_data, read_factors
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 Progress = Callable[[int, int], None]
 

@@ -10,13 +10,13 @@ import torch
 import zarr
 from torch import nn
 
-from .. import storage
+from . import storage
 from ..batches import ArrayBatches, Batches, TensorBatches
 from ..contraction import Rows, stream_rows
 from ..methods import InfluenceFunctionModel
-from ..models import load_into, load_state
-from ..refs import DataRef, ModelRef, StageRef
-from ..specs import MethodSpec, ModelSpec
+from .models import load_into, load_state
+from .refs import DataRef, ModelRef, StageRef
+from .specs import MethodSpec, ModelSpec
 
 
 def open_data(data: DataRef, options: dict[str, Any]) -> dict[str, zarr.Array]:

@@ -11,16 +11,16 @@ import numpy as np
 import torch
 import zarr
 
-from .. import storage
+from . import storage
 from ..methods import LissaInfluence
 from ..reduction import summed_tasks
-from ..refs import DataRef, ModelRef, StageRef
-from ..specs import ComputeSpec, MethodSpec
-from ..threads import TASK_THREADS, torch_threads
+from .refs import DataRef, ModelRef, StageRef
+from .specs import ComputeSpec, MethodSpec
+from .threads import TASK_THREADS, torch_threads
 from ..work import Work
 from .loading import load_influence_model, open_data
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 
 def plan(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int, compute: ComputeSpec | None = None) -> StageCall[StageRef]:

@@ -6,8 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from .. import storage
-from ..specs import StorageSpec
+from . import storage
+from .specs import StorageSpec
 
 
 class RunStore(BaseModel):

@@ -21,21 +21,20 @@ import torch
 import zarr
 from distributed import Client, as_completed
 
-from .. import storage
+from . import candidate_scoring as candidate_stage, storage
 from ..errors import ConfigError
-from ..layout import DIMENSIONS, ScoreLayout, score_layout
+from .layout import DIMENSIONS, ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
 from ..methods.scorer import Scorer
-from ..models import load_state
-from ..refs import DataRef, ModelRef, ScoresRef, StageRef
+from .models import load_state
+from .refs import DataRef, ModelRef, ScoresRef, StageRef
 from ..self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
-from ..specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec
-from ..threads import TASK_THREADS, torch_threads
+from .specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec
+from .threads import TASK_THREADS, torch_threads
 from ..work import Work
-from . import candidates as candidate_stage
 from .loading import load_influence_model, open_data, read_factors, save_tensors
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 Progress = Callable[[int, int], None]
 

@@ -22,13 +22,12 @@ from typing import Any, Callable, Generic, TypeVar
 
 import zarr
 
-from .. import storage
+from . import damage, storage
 from ..errors import ConfigError
-from ..refs import Ref, StageRef
-from ..threads import torch_threads
+from .refs import Ref, StageRef
+from .threads import torch_threads
 from ..version import CODE_VERSION
-from . import damage
-from .store import RunStore
+from .run_store import RunStore
 
 R = TypeVar("R", bound=StageRef)
 

@@ -9,15 +9,14 @@ import pytest
 import torch
 
 from flows.influence_run import influence_run
-from influence_core import storage
-from influence_core.candidates import knn_candidates
-from influence_core.cluster import dask_client
-from influence_core.pipeline import factors as factor_stage
+from influence_core.pipeline import query_factors as factor_stage, storage
+from influence_core.pipeline.knn_prefilter import knn_candidates
+from influence_core.pipeline.cluster import dask_client
 from influence_core.pipeline.publish import stored_refs
-from influence_core.pipeline.store import RunStore
+from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.verify import verify_run
-from influence_core.refs import DataRef, ModelRef
-from influence_core.specs import ComputeSpec
+from influence_core.pipeline.refs import DataRef, ModelRef
+from influence_core.pipeline.specs import ComputeSpec
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
