@@ -11,11 +11,10 @@ size exposes. The factor sums are streamed batch by batch and add up, so they ca
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
-from typing_extensions import Self
 
 from ..batches import Batches, Data
 from ..blocks import BlockCurvature, Regularization
