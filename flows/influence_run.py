@@ -108,12 +108,12 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     check_method(params.method, params.model, data)
     threads = params.compute.torch_threads
     model = run(fit_model, spec=params.model, training=params.training, data=data, store=store, threads=threads)
-    curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
-    factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store, threads=threads, compute=params.compute)
+    preconditioner = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
+    factors = run(compute_test_factors, method=params.method, model=model, data=data, preconditioner=preconditioner, store=store, threads=threads, compute=params.compute)
     publish.begin_run(store, fingerprint, params.overwrite)  # only now is influence.zarr touched: bad input found earlier leaves it as it was
     short = space_warning(store, data, params.aggregate)
     if short:
         get_run_logger().warning(short)
-    scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, curvature=curvature, factors=factors, store=store, candidates=params.candidates)
+    scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, preconditioner=preconditioner, factors=factors, store=store, candidates=params.candidates)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
     return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate)

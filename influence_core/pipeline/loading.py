@@ -56,11 +56,11 @@ def save_tensors(url: str, tensors: dict[str, torch.Tensor], options: dict[str, 
 
 
 def load_influence_model(
-    method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, options: dict[str, Any]
+    method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any]
 ) -> InfluenceFunctionModel:
     """The influence model with its stored curvature state, bound to the stored training data."""
     im = method.build(load_model(model, options), ModelSpec.model_validate(model.spec).make_task())
-    state = load_state(curvature.url, options, field="preconditioner")
+    state = load_state(preconditioner.url, options, field="preconditioner")
     return im.load_state_dict(state, train=train_batches(data, options, method.batch_size))
 
 
