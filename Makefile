@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-e2e test-fast quality bench bench-quick bench-scaling bench-big bench-soak bench-fastif serve clean
+.PHONY: install demo test test-e2e quality bench bench-quick bench-scaling bench-big bench-soak bench-fastif serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,16 +19,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/influence-pipeline demo
 
-# `make test`: everything but the end-to-end cases, which start a Prefect server, a worker and a browser (minutes);
+# `make test`: everything but the end-to-end cases (a Prefect server, a worker and a browser) and the slow
+# whole-process ones (signals, S3 outages, concurrent runs, SIGKILL, reproducibility across clusters);
 # `make test-e2e` runs those, and .ci/run runs both. Exit code 5 (no test selected) is not a failure.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not e2e" --durations=15 || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q -m "not e2e and not slow" --durations=15 || [ $$? -eq 5 ]
 
 test-e2e: $(STAMP)
-	$(BIN)/python -m pytest -q -m e2e --durations=15 || [ $$? -eq 5 ]
-
-test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not e2e and not slow"
+	$(BIN)/python -m pytest -q -m "e2e or slow" --durations=15 || [ $$? -eq 5 ]
 
 serve: $(STAMP)
 	infra/serve.sh

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -86,21 +85,8 @@ def print_table(rows: list[QueryRow], title: str) -> None:
     console.print(table)
 
 
-# Prefect settings for runs started here, unless the environment sets them: the temporary server of the ephemeral
-# API gets 120 s to start (Prefect's 20 s expire on a loaded machine); its telemetry, which writes to the same
-# SQLite file as the run and prints `database is locked` tracebacks when they collide, is off; the library's own log
-# lines (a long solve's progress) go to the run's logs.
-PREFECT_DEFAULTS = {
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_LOGGING_EXTRA_LOGGERS": "influence_core",
-}
-
-
 def execute(params: RunParameters) -> None:
     """Run the flow, then print the top-k table and where the outputs are."""
-    for name, value in PREFECT_DEFAULTS.items():  # before prefect is imported: its settings are read then
-        os.environ.setdefault(name, value)
     from prefect.logging.handlers import APILogWorker
 
     from .influence_run import influence_run  # imported late: importing prefect is slow, and --help should not be

@@ -23,9 +23,8 @@ from influence_core.pipeline.scoring import space_warning
 from influence_core.pipeline.stage import producer
 from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.refs import StageRef
-from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
-from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data
-from tasks.policy import result_storage
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
+from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data, validate_run
 from tasks.publish import publish_run
 
 from . import refusals
@@ -41,15 +40,14 @@ class StageRunner:
 
     def __init__(self, store: RunStore) -> None:
         self.store = store
-        self.storage = result_storage(store)
         self.started = datetime.now(timezone.utc)
         self.refs: dict[str, StageRef] = {}
         self.outcomes: dict[str, dict[str, Any]] = {}
 
     def __call__(self, stage: Task[..., R], **inputs: Any) -> R:
-        present = stage.cache_policy.planner(**inputs).existing() is not None  # type: ignore[union-attr]
+        present = stage.cache_policy.plan(inputs).existing() is not None  # type: ignore[union-attr]
         wall = time.perf_counter()
-        state = stage.with_options(refresh_cache=not present, result_storage=self.storage)(**inputs, return_state=True)
+        state = stage.with_options(refresh_cache=not present)(**inputs, return_state=True)
         ref: R = state.result().moved(self.store.resolve)  # stored relative to the output's root, which may have moved
         if state.name == "Cached":
             outcome = "cached"
@@ -79,6 +77,7 @@ def influence_run(
     compute: ComputeSpec = ComputeSpec(),
     aggregate: AggregateSpec = AggregateSpec(),
     candidates: CandidatesSpec = CandidatesSpec(),
+    validation: ValidationSpec = ValidationSpec(),
     storage: StorageSpec = StorageSpec(),
     overwrite: bool = False,
 ) -> dict[str, Any]:
@@ -89,7 +88,7 @@ def influence_run(
     """
     params = RunParameters.from_sections(
         output_url=output_url, dataset=dataset, model=model, training=training, method=method, compute=compute,
-        aggregate=aggregate, candidates=candidates, storage=storage, overwrite=overwrite,
+        aggregate=aggregate, candidates=candidates, validation=validation, storage=storage, overwrite=overwrite,
     )
     store = params.store()
     preflight(store, params.compute, params.model)  # seconds, before any stage computes or anything is written
@@ -100,7 +99,7 @@ def influence_run(
 
 
 def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[str, Any]:
-    """The six stages and the closing publish, under the output's run lock."""
+    """The six stages, the optional validation and the closing publish, under the output's run lock."""
     run = StageRunner(store)
     data = run(prepare_data, spec=params.dataset, store=store)
     check_top_k(params.aggregate, data.n_train)
@@ -116,4 +115,6 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
         get_run_logger().warning(short)
     scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, preconditioner=preconditioner, factors=factors, store=store, candidates=params.candidates)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
+    if params.validation.subsets:
+        run(validate_run, spec=params.validation, model_spec=params.model, training=params.training, data=data, model=model, scores=scores, store=store, threads=threads, compute=params.compute)
     return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate)

@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from influence_core.pipeline import storage
 from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.validation import check_validate
 from influence_core.errors import ConfigError
-from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 
 
 PLACEMENT = {"compute": ("cluster", "address", "n_workers", "allow_multithreaded_workers"), "storage": ("endpoint_url", "region", "cache_url")}
@@ -30,6 +31,7 @@ class RunParameters(BaseModel):
     compute: ComputeSpec = Field(default_factory=ComputeSpec, title="Compute", description="Which Dask cluster scores the training chunks, and how large a chunk is.")
     aggregate: AggregateSpec = Field(default_factory=AggregateSpec, title="Aggregation", description="Top-k helpful and harmful examples per query, and the report.")
     candidates: CandidatesSpec = Field(default_factory=CandidatesSpec, title="Candidates (FastIF)", description="Score each query against only its k nearest training examples in a layer's feature space (a FAISS index): much less gradient work when k·n_test is small against n_train.")
+    validation: ValidationSpec = Field(default_factory=ValidationSpec, title="Validation (LDS)", description="Optionally measure this run's linear datamodeling score: retrain on random subsets and check how well the scores predict the retrained models' query measurements.")
     storage: StorageSpec = Field(default_factory=StorageSpec, title="Storage", description="S3 endpoint and region, and a stage cache shared between runs; never credentials.")
     overwrite: bool = Field(
         False, title="Overwrite another run",
@@ -42,6 +44,11 @@ class RunParameters(BaseModel):
     def _supported_url(cls, value: str) -> str:
         storage.validate_url(value, "output_url")
         return value
+
+    @model_validator(mode="after")
+    def _validation_can_retrain(self) -> "RunParameters":
+        check_validate(self.validation, self.model)
+        return self
 
     @model_validator(mode="after")
     def _candidates_fit(self) -> "RunParameters":
@@ -81,8 +88,11 @@ class RunParameters(BaseModel):
 
     def run_fingerprint(self) -> str:
         """What the run writes: every parameter but where it runs and stores (those never change a result: every
-        cluster kind gives the same bits) and `overwrite`. Two runs with equal fingerprints may share an output."""
+        cluster kind gives the same bits) and `overwrite`; validation only when on (off, it writes nothing). Two runs
+        with equal fingerprints may share an output."""
         where = {"output_url": True, "overwrite": True, "compute": set(PLACEMENT["compute"]), "storage": set(PLACEMENT["storage"])}
+        if not self.validation.subsets:
+            where["validation"] = True
         payload = json.dumps(self.model_dump(mode="json", exclude=where), sort_keys=True)  # type: ignore[arg-type]
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import inspect
 import json
 import os
@@ -18,12 +17,10 @@ from prefect import Task
 from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
-from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.settings import PREFECT_HOME
 
 from influence_core import ConfigError, NumericalError
-from influence_core.pipeline import storage
 from influence_core.pipeline.stage import StageCall
 from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.refs import StageRef
@@ -41,9 +38,14 @@ class StagePolicy(CachePolicy):
 
     planner: Optional[Callable[..., StageCall[Any]]] = None
 
-    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> Optional[str]:
+    def plan(self, inputs: dict[str, Any]) -> StageCall[Any]:
+        """The stage call of the task's arguments (those the planner takes: a task may need more to run than to plan)."""
         assert self.planner is not None
-        return self.planner(**inputs).key
+        accepted = inspect.signature(self.planner).parameters
+        return self.planner(**{name: value for name, value in inputs.items() if name in accepted})
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> Optional[str]:
+        return self.plan(inputs).key
 
 
 class CrashSafeLockManager(FileSystemLockManager):
@@ -92,17 +94,6 @@ def portable(stage: Callable[..., R]) -> Callable[..., R]:
         return stage(*args, **kwargs).moved(store.relative)
 
     return relative
-
-
-def result_storage(store: RunStore) -> WritableFileSystem:
-    """Prefect results go beside the stage outputs, in the run's store, so any worker on any machine that shares
-    the store finds a cached stage. The block is saved (Prefect records an unsaved storage's keys as absolute paths,
-    which would tie the output to where it was written); S3 credentials stay in the environment, only the endpoint
-    travels."""
-    url = storage.join(store.cache_url, "prefect-results")
-    block: WritableFileSystem = RemoteFileSystem(basepath=url, settings=store.options) if storage.is_remote(url) else LocalFileSystem(basepath=url)
-    block.save(f"influence-results-{hashlib.sha256(url.encode()).hexdigest()[:16]}", overwrite=True)
-    return block
 
 
 def is_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:

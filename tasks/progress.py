@@ -10,10 +10,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class ChunkProgress:
-    """Callable `(done, total)`, fed by the engine as train chunks finish."""
+    """Callable `(done, total)`, fed by the engine as units of work (train chunks, retrained subsets) finish."""
 
-    def __init__(self, description: str) -> None:
+    def __init__(self, description: str, unit: str = "train chunks") -> None:
         self.description = description
+        self.unit = unit
         self.artifact: UUID | None = None
         self.bar: Progress | None = None
         self.task_id = None
@@ -29,7 +30,7 @@ class ChunkProgress:
         decile = int(percent // 10)
         if decile != self.logged or done == total:
             self.logged = decile
-            get_run_logger().info("%s: %d/%d train chunks (%.0f%%)", self.description, done, total, percent)
+            get_run_logger().info("%s: %d/%d %s (%.0f%%)", self.description, done, total, self.unit, percent)
 
     def _bar(self, done: int, total: int) -> None:
         if self.bar is None:

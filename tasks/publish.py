@@ -11,13 +11,15 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact, c
 from influence_core.pipeline import publish, storage
 from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.refs import DataRef, StageRef
-from influence_core.pipeline.report import summary_markdown, table_records
+from influence_core.pipeline.report import summary_markdown, table_records, validation_markdown
 from influence_core.pipeline.specs import AggregateSpec
+
+from .policy import is_transient
 
 TABLE_MAX_K = 10  # helpful and harmful columns each in the table artifact; a wider table is unreadable in the UI
 
 
-@task(name="publish", retries=2, retry_delay_seconds=[2, 10])
+@task(name="publish", retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=is_transient)
 def publish_run(store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], aggregate: AggregateSpec) -> dict[str, Any]:
     """Write the report and summary, mark the run complete, and publish the top-k table, report and summary artifacts."""
     summary, rows = publish.publish(store, refs, config, stages, aggregate.report_queries)
@@ -29,6 +31,8 @@ def publish_run(store: RunStore, refs: dict[str, StageRef], config: dict[str, An
     create_table_artifact(table_records(table), key="influence-topk", description=f"The {shown} most helpful and {shown} most harmful training examples{of} for the first {len(rows)} queries")
     create_image_artifact(report_data_url(store), key="influence-report", description=f"report.png ({summary['report']}): queries beside their most helpful and most harmful training examples")
     create_markdown_artifact(summary_markdown(summary), key="influence-summary", description="Influence run summary")
+    if "validation" in summary:
+        create_markdown_artifact(validation_markdown(summary["validation"]), key="influence-validation", description="The run's linear datamodeling score")
     return summary
 
 

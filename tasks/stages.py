@@ -1,14 +1,14 @@
-"""The six stage tasks. Each returns a small ref; caching is keyed on fingerprints and config, never tensors."""
+"""The stage tasks (six, and the optional validation). Each returns a small ref; caching is keyed on fingerprints and config, never tensors."""
 
 from __future__ import annotations
 
 from prefect import task
 
 from influence_core.pipeline.cluster import dask_client
-from influence_core.pipeline import aggregation, preconditioner as preconditioner_stage, prepare, query_factors, scoring, training as training_stage
+from influence_core.pipeline import aggregation, preconditioner as preconditioner_stage, prepare, query_factors, scoring, training as training_stage, validation
 from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.refs import DataRef, ModelRef, ScoresRef, StageRef
-from influence_core.pipeline.specs import METHOD_CLASSES, AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec
+from influence_core.pipeline.refs import DataRef, ModelRef, ScoresRef, StageRef, ValidationRef
+from influence_core.pipeline.specs import METHOD_CLASSES, AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec, ValidationSpec
 
 from .policy import STAGE_OPTIONS, portable, stage_policy
 from .progress import ChunkProgress
@@ -63,3 +63,13 @@ def compute_influences(
 def aggregate(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageRef:
     """Top-k helpful and harmful, argmax and train totals, streamed over the scores."""
     return aggregation.run(spec, scores, store)
+
+
+@task(name="validate", cache_policy=stage_policy(validation.plan), **STAGE_OPTIONS)
+@portable
+def validate_run(spec: ValidationSpec, model_spec: ModelSpec, training: TrainingSpec, data: DataRef, model: ModelRef, scores: StageRef, store: RunStore, threads: int, compute: ComputeSpec) -> ValidationRef:
+    """The run's LDS: retrain on random subsets, one Dask task each (resumed per subset), and rank-correlate."""
+    return validation.run(
+        spec, model_spec, training, data, model, scores, store, threads,
+        client_factory=lambda: dask_client(compute, True), on_progress=ChunkProgress("validate", "retrained subsets"),
+    )

@@ -82,12 +82,25 @@ def state_bytes(model: nn.Module) -> bytes:
     return buffer.getvalue()
 
 
+def checkpoint_stamp(url: str, options: dict[str, Any], field: str = "model.checkpoint") -> str:
+    """The checkpoint's size and stamp (part of fit_model's key: a replaced checkpoint is loaded again), read
+    without its content; a missing file or object is refused naming the field."""
+    try:
+        return storage.stat_token(url, options)
+    except FileNotFoundError:
+        raise _missing_checkpoint(url, field) from None
+
+
+def _missing_checkpoint(url: str, field: str) -> ConfigError:
+    return ConfigError(field, f"no checkpoint at {url!r}", "give the path or s3:// URL of a saved state_dict")
+
+
 def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint") -> dict[str, torch.Tensor]:
     """Read a state_dict from a local path or URL with weights_only=True (no arbitrary code from pickles)."""
     try:
         raw = storage.read_bytes(url, options)
     except FileNotFoundError:
-        raise ConfigError(field, f"no checkpoint at {url!r}", "give the path or s3:// URL of a saved state_dict") from None
+        raise _missing_checkpoint(url, field) from None
     if url.endswith(".safetensors"):
         return _safetensors(raw, url, field)
     try:

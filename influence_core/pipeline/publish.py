@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -10,14 +11,15 @@ from typing import Any
 from . import damage, storage
 from ..errors import ConfigError
 from .layout import SCORE_CONVENTION
-from .refs import DataRef, ModelRef, StageRef
-from .report import QueryRow, render_report, topk_rows
+from .refs import DataRef, ModelRef, StageRef, ValidationRef
+from .report import QueryRow, lds_line, render_report, topk_rows
 from ..version import CODE_VERSION
 from .loading import open_data
 from .run_store import RunStore
 
 SCHEMA_VERSION = 1
 REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
+VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "subsets", "subsets_computed", "fraction", "queries")
 PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
 
 
@@ -54,12 +56,13 @@ def begin_run(store: RunStore, fingerprint: str, overwrite: bool) -> None:
     aggregation stage that rewrites part of it flags it. Stages before this write only their own content-addressed
     outputs, so a run refused for bad input leaves an earlier run as it was."""
     check_owner(store, fingerprint, overwrite)
-    repaired = damage.repair(store.influence_url, store.options)  # damaged metadata: those arrays are recomputed
-    group = storage.open_group(store.influence_url, store.options, mode="a")
-    if group.attrs.get("run_fingerprint") != fingerprint:
-        group.attrs.put({"status": "running", "run_fingerprint": fingerprint})
-    elif repaired:
-        group.attrs["status"] = "running"
+    with store.writing("the run's start", "a few kB for influence.zarr's metadata"):
+        repaired = damage.repair(store.influence_url, store.options)  # damaged metadata: those arrays are recomputed
+        group = storage.open_group(store.influence_url, store.options, mode="a")
+        if group.attrs.get("run_fingerprint") != fingerprint:
+            group.attrs.put({"status": "running", "run_fingerprint": fingerprint})
+        elif repaired:
+            group.attrs["status"] = "running"
 
 
 def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
@@ -87,7 +90,9 @@ def publish(
     assert isinstance(data, DataRef)
     rows = query_rows(store, data, n_queries)
     arrays = open_data(data, store.options)
-    storage.write_bytes(store.url("report.png"), render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape), store.options)
+    validation = refs.get("validate")
+    validated = validation.model_dump(include=set(VALIDATION_FIELDS)) if isinstance(validation, ValidationRef) else None
+    png = render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape, None if validated is None else lds_line(validated))
     summary = {
         "status": "complete",
         "finished_at": datetime.now(timezone.utc).isoformat(),
@@ -97,26 +102,31 @@ def publish(
         "n_train": data.n_train,
         "n_test": data.n_test,
         "parameters": refs["fit_preconditioner"].parameters,  # which of the model's parameters the scores are over
+        **({} if validated is None else {"validation": validated}),
         "stages": stages,
         "config": config,
         "code_version": CODE_VERSION,
         "versions": package_versions(),
     }
-    storage.write_json(store.url("summary.json"), portable_summary(store, summary), store.options)
-    prune(store, refs)
-    group = storage.open_group(store.influence_url, store.options, mode="a")
-    group.attrs.update(
-        {
-            "schema_version": SCHEMA_VERSION,
-            **SCORE_CONVENTION,
-            "config": portable_config(config),
-            "fingerprints": {name: ref.fingerprint for name, ref in refs.items()},
-            "refs": {name: ref.moved(store.relative).model_dump(mode="json") for name, ref in refs.items()},
-            "versions": summary["versions"],
-            "stage_timings": {name: stage["seconds"] for name, stage in stages.items()},
-        }
-    )
-    group.attrs["status"] = "complete"
+    stored = portable_summary(store, summary)
+    need = f"{storage.megabytes(len(png) + len(json.dumps(stored, default=str)))} for report.png and summary.json"
+    with store.writing("publish", need):  # a full disk here is one line too, and status stays running
+        storage.write_bytes(store.url("report.png"), png, store.options)
+        storage.write_json(store.url("summary.json"), stored, store.options)
+        prune(store, refs)
+        group = storage.open_group(store.influence_url, store.options, mode="a")
+        group.attrs.update(
+            {
+                "schema_version": SCHEMA_VERSION,
+                **SCORE_CONVENTION,
+                "config": portable_config(config),
+                "fingerprints": {name: ref.fingerprint for name, ref in refs.items()},
+                "refs": {name: ref.moved(store.relative).model_dump(mode="json") for name, ref in refs.items()},
+                "versions": summary["versions"],
+                "stage_timings": {name: stage["seconds"] for name, stage in stages.items()},
+            }
+        )
+        group.attrs["status"] = "complete"
     return summary, rows
 
 

@@ -15,7 +15,7 @@ from . import storage
 from ..methods import LissaInfluence
 from ..reduction import summed_tasks
 from .refs import DataRef, ModelRef, StageRef
-from .specs import ComputeSpec, MethodSpec
+from .specs import MethodSpec
 from .threads import TASK_THREADS, torch_threads
 from ..work import Work
 from .loading import load_influence_model, open_data
@@ -23,8 +23,8 @@ from .stage import StageCall, StageLocation
 from .run_store import RunStore
 
 
-def plan(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, store: RunStore, threads: int, compute: ComputeSpec | None = None) -> StageCall[StageRef]:
-    """The stage's key; `compute` (where LiSSA's repeats run) is left out of it: every cluster kind gives the same bits."""
+def plan(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, store: RunStore, threads: int) -> StageCall[StageRef]:
+    """The stage's key; where LiSSA's repeats run (compute) is not part of it: every cluster kind gives the same bits."""
     # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
     inputs = {"model": model, "data": data, "curvature": preconditioner}
     return StageCall("compute_test_factors", StageRef, {"method": method.model_dump(mode="json")}, inputs, store, threads)

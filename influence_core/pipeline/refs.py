@@ -79,3 +79,16 @@ class ScoresRef(StageRef):
     gradient_rows: int
     self_influence: dict[str, Any]
     candidates: dict[str, Any] = {}  # FastIF's prefilter: k, index, scored rows, feature and index seconds (empty: full scores)
+
+
+class ValidationRef(StageRef):
+    """The validate stage: the run's LDS (mean, standard error, per query; None where undefined, e.g. a query whose
+    measurement never changed) over `subsets` retrainings, and how many of them this run computed."""
+
+    lds_mean: float | None
+    lds_stderr: float | None
+    lds_per_query: list[float | None]
+    subsets: int
+    subsets_computed: int
+    fraction: float
+    queries: int

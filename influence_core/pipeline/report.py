@@ -44,10 +44,11 @@ def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int
     return [QueryRow(q, _label(test_labels[q]), neighbours("helpful", q), neighbours("harmful", q)) for q in range(n)]
 
 
-def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None) -> bytes:
+def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None, note: str | None = None) -> bytes:
     """PNG: one line per query: the query, then its most helpful and most harmful training examples.
 
-    Images are drawn when the data are images; otherwise each example's first features are plotted.
+    Images are drawn when the data are images; otherwise each example's first features are plotted. `note` (the
+    run's LDS, when validated) goes under the title.
     """
     import matplotlib
 
@@ -75,12 +76,26 @@ def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: 
             ax.set_title(title, fontsize=7, color=colour)
             for spine in ax.spines.values():
                 spine.set_edgecolor(colour)
-    fig.suptitle("Queries (left), most helpful (green) and most harmful (red) training examples", fontsize=9)
+    title = "Queries (left), most helpful (green) and most harmful (red) training examples"
+    fig.suptitle(title if note is None else f"{title}\n{note}", fontsize=9)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
     return buffer.getvalue()
+
+
+def lds_line(validation: dict[str, Any]) -> str:
+    """The run's LDS in one line, as the report, the summary and the CLI show it."""
+    mean, stderr = validation["lds_mean"], validation["lds_stderr"]
+    value = "undefined (no query's measurement varied)" if mean is None else f"{mean:.3f}" + ("" if stderr is None else f" ± {stderr:.3f}")
+    return f"LDS {value} over {validation['subsets']} retrainings on {validation['fraction']:.0%} subsets, {validation['queries']} queries"
+
+
+def validation_markdown(validation: dict[str, Any]) -> str:
+    """The LDS with its per-query values, for the Prefect artifact."""
+    rows = [f"| {q} | {'—' if v is None else f'{v:.3f}'} |" for q, v in enumerate(validation["lds_per_query"])]
+    return "\n".join([f"# {lds_line(validation)}", "", "| query | LDS (Spearman over retrainings) |", "|---|---|", *rows])
 
 
 def _cell(n: Neighbour) -> str:
@@ -109,6 +124,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         f"- report: `{summary['report']}`",
         f"- {summary['n_test']} queries x {summary['n_train']} training examples",
         *[f"- parameters {kind}: {group['tensors']} tensors, {group['elements']:,} elements" for kind, group in summary.get("parameters", {}).items()],
+        *([f"- {lds_line(summary['validation'])}"] if "validation" in summary else []),
         "",
         "| stage | outcome | compute seconds | wall seconds this run |",
         "|---|---|---|---|",

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+import errno
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from . import storage
+from ..errors import ConfigError
 from .specs import StorageSpec
+
+UNWRITABLE = {errno.ENOSPC: "full", errno.EDQUOT: "over its quota", errno.EROFS: "read-only", errno.EACCES: "not writable", errno.EPERM: "not writable"}
 
 
 class RunStore(BaseModel):
@@ -52,3 +57,27 @@ class RunStore(BaseModel):
         storage.check_writable(self.output_url, self.options, "output_url")
         if self.storage.cache_url:
             storage.check_writable(self.cache_url, self.options, "storage.cache_url")
+
+    def write_failed(self, exc: OSError, writer: str, need: str) -> ConfigError:
+        """A write that found the disk full (or read-only) as one line naming the location's field, where it was
+        writing, the free space and what is needed. `need` is e.g. "12.0 MB for compute_influences's output"."""
+        where = str(exc.filename or "")
+        separate_cache = bool(self.storage.cache_url) and where.startswith(self.cache_url)
+        field, url = ("storage.cache_url", self.cache_url) if separate_cache else ("output_url", self.output_url)
+        free = storage.free_bytes(url)
+        place = f"the bucket path {url}" if free is None else f"the disk under {url}"
+        room = "" if free is None else f"; {storage.megabytes(free)} free"
+        return ConfigError(
+            field, f"{place} is {UNWRITABLE.get(exc.errno or 0, 'not writable')} ({exc.strerror or exc} while {writer} wrote{f' {where}' if where else ''}{room})",
+            f"free at least {need} there (or make it writable), or point {field} at another disk, then run again (completed stages are kept)",
+        )
+
+    @contextmanager
+    def writing(self, writer: str, need: str) -> Iterator[None]:
+        """Turn a full or read-only disk under this store into `write_failed`'s one line; other errors pass (retried)."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno in UNWRITABLE:
+                raise self.write_failed(exc, writer, need) from None
+            raise

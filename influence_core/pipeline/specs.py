@@ -390,6 +390,29 @@ class AggregateSpec(Spec):
     report_queries: int = Field(6, ge=1, le=50, title="Queries in report", description="Queries shown in report.png and in the top-k table.")
 
 
+class ValidationSpec(Spec):
+    """The run's own linear datamodeling score (LDS): retrain on random subsets, and see how well the summed scores
+    rank the retrained models' query measurements. Off (0 subsets) unless asked for: it costs `subsets` trainings."""
+
+    model_config = ConfigDict(title="Validation (LDS)")
+
+    subsets: int = Field(
+        0, ge=0, le=1000, title="Retrained subsets",
+        description="0: no validation. Else retrain the model on this many random training subsets (one Dask task each, "
+        "cached and resumed) and report the run's LDS; at least 3, 64 or more for a stable mean.",
+    )
+    fraction: float = Field(0.5, gt=0, lt=1, title="Subset fraction", description="Share of the training examples in each subset.")
+    queries: int = Field(20, ge=1, title="Queries", description="The first this many queries are measured (all if fewer).")
+    seed: int = Field(0, ge=0, title="Seed", description="Seed of the subsets' draw (training itself uses training.seed).")
+
+    @field_validator("subsets")
+    @classmethod
+    def _enough(cls, value: int) -> int:
+        if value in (1, 2):
+            raise ConfigError("validation.subsets", f"{value} subsets give no rank correlation", "use 0 (no validation) or 3 or more (64+ for a stable mean)")
+        return value
+
+
 class CandidatesSpec(Spec):
     model_config = ConfigDict(title="Candidates (FastIF)")
 

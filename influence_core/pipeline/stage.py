@@ -9,7 +9,6 @@ objects gone or cut short (a deleted shard, a truncated file), so damage is reco
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -23,7 +22,6 @@ from typing import Any, Callable, Generic, TypeVar
 import zarr
 
 from . import damage, storage
-from ..errors import ConfigError
 from .refs import Ref, StageRef
 from .threads import torch_threads
 from ..version import CODE_VERSION
@@ -153,18 +151,6 @@ class StageCall(Generic[R]):
     def location(self) -> StageLocation:
         return StageLocation(self.store, self.stage, self.key)
 
-    def disk_full(self, exc: OSError) -> ConfigError:
-        """A write that found the disk full, as one line naming the location's field and the space needed."""
-        where = str(exc.filename or "")
-        separate_cache = bool(self.store.storage.cache_url) and where.startswith(self.store.cache_url)
-        field, url = ("storage.cache_url", self.store.cache_url) if separate_cache else ("output_url", self.store.output_url)
-        need = f"{storage.megabytes(self.output_bytes)} for {self.stage}'s output" if self.output_bytes else f"room for {self.stage}'s output"
-        free = storage.free_bytes(url)
-        return ConfigError(
-            field, f"the disk under {url} is full ({exc.strerror or 'No space left on device'} while {self.stage} wrote{f' {where}' if where else ''}; {storage.megabytes(free or 0)} free)",
-            f"free at least {need} there, or point {field} at a disk with more space, then run again (completed stages are kept)",
-        )
-
     def existing(self) -> R | None:
         """The stored output when complete and intact; the store is the truth, not any cache in front of it."""
         return self.location.read(self.ref_type)
@@ -179,13 +165,9 @@ class StageCall(Generic[R]):
             return found
         location = self.location
         start = time.perf_counter()
-        try:
-            with nullcontext() if self.threads is None else torch_threads(self.threads):
-                fields = compute(location)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise self.disk_full(exc) from None
-            raise
+        need = f"{storage.megabytes(self.output_bytes)} for {self.stage}'s output" if self.output_bytes else f"room for {self.stage}'s output"
+        with self.store.writing(self.stage, need), nullcontext() if self.threads is None else torch_threads(self.threads):
+            fields = compute(location)
         ref = self.ref_type(stage=self.stage, created_at=datetime.now(timezone.utc), seconds=time.perf_counter() - start, producer=producer(), **fields)
         location.write(ref, self.config, self.inputs)
         return ref

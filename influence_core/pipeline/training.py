@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from . import storage
-from .models import build_model, check_model_fits, load_into, load_state, state_bytes, train
+from .models import build_model, checkpoint_stamp, check_model_fits, load_into, load_state, state_bytes, train
 from .refs import DataRef, ModelRef
 from .specs import ModelSpec, TrainingSpec
 from .loading import open_data
@@ -18,7 +18,7 @@ from .run_store import RunStore
 def plan(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, threads: int) -> StageCall[ModelRef]:
     config: dict[str, Any] = {"model": spec.model_dump(mode="json")}
     if spec.checkpoint:
-        config["checkpoint_stat"] = storage.stat_token(spec.checkpoint, store.options)
+        config["checkpoint_stat"] = checkpoint_stamp(spec.checkpoint, store.options)
     else:
         config["training"] = training.model_dump(mode="json")
     return StageCall("fit_model", ModelRef, config, {"data": data}, store, threads)

@@ -82,3 +82,27 @@ def test_local_cluster_kind_gives_identical_scores(first_run, tmp_path):
     _, arrays = read_outputs(local.store())
     np.testing.assert_array_equal(arrays["scores"], sequential["scores"])
 
+
+
+def test_results_need_no_block_per_output_url(tmp_path):
+    """Prefect's results go to its default result storage, not to a block saved per output: runs to two output URLs
+    save no block, write no Prefect record into either output, and a rerun is served from Prefect's cache (Cached)
+    because the store still holds every stage."""
+    import os
+    from pathlib import Path
+
+    from prefect import get_client
+
+    first, second = (small_params(str(tmp_path / name)) for name in ("a", "b"))
+    records = Path(os.environ["PREFECT_LOCAL_STORAGE_PATH"])
+    with get_client(sync_client=True) as client:
+        blocks = {block.id for block in client.read_block_documents()}
+    summary = influence_run(**first.sections())
+    assert set(outcomes(summary).values()) <= {"computed", "cached", "found complete"}
+    assert outcomes(influence_run(**second.sections())) == dict.fromkeys(STAGES, "computed")  # b's store was empty: never served from a's cache
+    with get_client(sync_client=True) as client:
+        assert {block.id for block in client.read_block_documents()} == blocks
+    assert not [p for p in tmp_path.rglob("*") if "prefect-results" in str(p)]
+    keys = {stage: key.name for stage in STAGES for key in (tmp_path / "a" / "stages" / stage).iterdir()}
+    assert all((records / key).is_file() for key in keys.values()), keys  # Prefect's record of each stage, by its key
+    assert outcomes(influence_run(**first.sections())) == dict.fromkeys(STAGES, "cached")

@@ -4,19 +4,22 @@ needed, without retries, and the run never looks complete. The disk is a real 1 
 
 from __future__ import annotations
 
+import errno
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from click.testing import Result
 from typer.testing import CliRunner
 
 from flows.cli import app
 from influence_core.pipeline import storage
 from influence_core.pipeline.scoring import space_warning
 from influence_core.pipeline.refs import DataRef
-from tests.helpers import small_params
+from tests.helpers import read_outputs, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 N_TRAIN, N_TEST = 1500, 200  # scores of 1.15 MB: more than the disk holds
@@ -55,3 +58,48 @@ def test_a_full_disk_fails_in_one_line_naming_output_url_and_the_space_needed(sm
     warning = space_warning(params.store(), data, params.aggregate)
     assert warning is not None and warning.startswith("output_url: ") and storage.megabytes(needed) in warning
     assert space_warning(small_params(str(tmp_path / "roomy")).store(), data, params.aggregate) is None
+
+
+def fill(path: Path) -> None:
+    """Take every free block of the disk that holds `path`."""
+    try:
+        with path.open("wb") as out:
+            while True:
+                out.write(b"\0" * 4096)
+                out.flush()
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_publishing_fails_in_one_line_and_the_run_stays_running(small_disk: Path, tmp_path: Path) -> None:
+    """The closing writes (report.png, summary.json, the group's attributes) get the same one line as the stages:
+    a finished run on the small disk, its report and summary gone and the disk then filled, reruns with every stage
+    found complete and fails at publish, its scores untouched; once there is room again, the same command completes it."""
+    params = small_params(str(small_disk / "run"), storage={"cache_url": str(tmp_path / "cache")}, compute={"cluster": "sequential"})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+
+    def run() -> Result:
+        return CliRunner().invoke(app, ["run", "--config", str(config)], terminal_width=400)
+
+    assert run().exit_code == 0
+    _, before = read_outputs(params.store())
+    for name in ("report.png", "summary.json"):
+        (small_disk / "run" / name).unlink()
+    filler = small_disk / "filler"
+    fill(filler)
+
+    result = run()
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output, result.output
+    [line] = [line for line in result.output.splitlines() if line.startswith("output_url: ")]
+    assert f"the disk under {small_disk / 'run'} is full" in line and "while publish wrote" in line and "for report.png and summary.json" in line, line
+    assert not (small_disk / "run" / "summary.json").exists()
+    _, after = read_outputs(params.store())  # what was written before is neither lost nor damaged
+    for name, array in before.items():
+        np.testing.assert_array_equal(after[name], array)
+
+    filler.unlink()
+    assert run().exit_code == 0
+    assert storage.open_group(params.store().influence_url, {}, mode="r").attrs["status"] == "complete"

@@ -176,6 +176,7 @@ def cli_run(config: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 @pytest.mark.usefixtures("prefect_api")
+@pytest.mark.slow
 def test_sigkill_during_compute_then_resume_through_the_cli(tmp_path):
     """Three processes: an uninterrupted CLI run, one SIGKILLed mid compute_influences, and the same CLI command
     again, which redoes only the missing chunks and ends equal, bit for bit, to the uninterrupted run."""

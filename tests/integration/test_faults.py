@@ -41,6 +41,7 @@ def _stage_run_counts(flow_run_id) -> dict[str, int]:
 
 
 @pytest.mark.usefixtures("prefect_api")
+@pytest.mark.slow
 def test_s3_outage_mid_run_completes_with_the_same_scores(s3_endpoint, s3_bucket, s3_proxy, tmp_path):
     reference = small_params(str(tmp_path / "reference"))  # uninterrupted; the store does not change the bits
     influence_run(**reference.sections())
@@ -77,6 +78,7 @@ def test_s3_outage_mid_run_completes_with_the_same_scores(s3_endpoint, s3_bucket
     assert assert_same_outputs(params.store(), expected).attrs["status"] == "complete"
 
 
+@pytest.mark.slow
 def test_storage_options_ride_out_a_long_outage(s3_bucket, s3_proxy):
     """A write and a read during a 30 s outage succeed with the pipeline's options (botocore's default retries
     give up after 15 to 25 s)."""
@@ -149,6 +151,7 @@ def test_damaged_output_is_detected_and_recomputed(case, tmp_path):
 
 
 @pytest.mark.usefixtures("prefect_api")
+@pytest.mark.slow
 def test_damage_on_s3_is_detected_and_recomputed(s3_endpoint, s3_bucket):
     """The same checks against S3 objects (ETags instead of modification times): a shorter model.pt and a lost shard."""
     params = small_params(f"s3://{s3_bucket}/run", storage={"endpoint_url": s3_endpoint})

@@ -125,3 +125,28 @@ def test_damaged_safetensors_checkpoint_names_the_field(tmp_path):
     path.write_bytes(b"\x00" * 16)
     with pytest.raises(ConfigError, match=r"^model.checkpoint: .*is not a valid \.safetensors file"):
         load_state(str(path), {})
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_checkpoint_on_s3_gives_the_scores_of_the_local_file(tmp_path, checkpoint, s3_endpoint, s3_bucket, suffix):
+    """model.checkpoint may be an s3:// URL (reached through storage.endpoint_url, credentials from the environment):
+    a run from the checkpoint copied to S3 scores bit-identically to a run from the local file; a missing object
+    is refused naming the field."""
+    import s3fs
+    from safetensors.torch import load_file
+
+    local = str(tmp_path / f"model{suffix}")
+    state = load_file(checkpoint)
+    save_file(state, local) if suffix == ".safetensors" else torch.save(state, local)
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}).put_file(local, f"{s3_bucket}/ckpt/model{suffix}")
+    runs = {
+        where: small_params(str(tmp_path / where), model={"factory": FACTORY, "options": OPTIONS, "checkpoint": url}, method=METHOD, storage={"endpoint_url": s3_endpoint})
+        for where, url in (("local", local), ("s3", f"s3://{s3_bucket}/ckpt/model{suffix}"))
+    }
+    scores = {where: read_outputs(run_stages(params)[0])[1]["scores"] for where, params in runs.items()}
+    np.testing.assert_array_equal(scores["s3"], scores["local"])
+    assert np.abs(scores["local"]).max() > 0
+
+    missing = small_params(str(tmp_path / "missing"), model={"factory": FACTORY, "options": OPTIONS, "checkpoint": f"s3://{s3_bucket}/ckpt/none{suffix}"}, method=METHOD, storage={"endpoint_url": s3_endpoint})
+    with pytest.raises(ConfigError, match=r"^model.checkpoint: no checkpoint at 's3://"):
+        run_stages(missing)

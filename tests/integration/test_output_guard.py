@@ -138,6 +138,7 @@ def run_two_at_once(tmp_path: Path, first, second) -> tuple[tuple[int, str], tup
     return runs[0].finish(), runs[1].finish()
 
 
+@pytest.mark.slow
 def test_two_runs_at_once_with_the_same_parameters_share_the_work(tmp_path):
     params = small_params(str(tmp_path / "out"))
     (code_a, log_a), (code_b, log_b) = run_two_at_once(tmp_path, params, params)
@@ -155,6 +156,7 @@ def test_two_runs_at_once_with_the_same_parameters_share_the_work(tmp_path):
     assert outcomes[1] == {name: stage["outcome"] for name, stage in summary["stages"].items()}
 
 
+@pytest.mark.slow
 def test_two_runs_at_once_with_different_parameters_never_mix(tmp_path):
     first = small_params(str(tmp_path / "out"))
     second = small_params(str(tmp_path / "out"), aggregate={"top_k": 2, "report_queries": 3}, training={"epochs": 16})

@@ -21,7 +21,7 @@ from influence_core.pipeline.run_store import RunStore
 from tests.helpers import small_params
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.usefixtures("prefect_api")
+pytestmark = [pytest.mark.usefixtures("prefect_api"), pytest.mark.slow]
 
 
 def run_in_process(output: Path, method: dict, cluster: str, omp_threads: int) -> dict:

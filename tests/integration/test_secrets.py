@@ -109,8 +109,8 @@ def test_no_credential_reaches_any_output(secrets: tuple[str, str], s3_endpoint:
     assert "train chunks" in places["prefect logs"].decode()
     assert {a.key for a in artifacts} >= {"influence-topk", "influence-summary", "influence-progress"}
     assert s3_endpoint in flow_run.parameters["storage"]["endpoint_url"]
-    results = [name for name in objects if "/prefect-results/" in name]
-    assert len(results) >= 6 and all(json.loads(objects[name]) for name in results)
+    results = [place for place in places if place.startswith("local result ")]
+    assert len(results) >= 6 and all(json.loads(places[place]) for place in results)
     assert f"{s3_bucket}/run/summary.json" in objects and f"{s3_bucket}/run/report.png" in objects
     assert sum(name.endswith("manifest.json") for name in objects) == 6
     assert f"{s3_bucket}/run/influence.zarr" in attributes and attributes[f"{s3_bucket}/run/influence.zarr"]["status"] == "complete"

@@ -1,0 +1,150 @@
+"""Stage 7 (optional): the run's own linear datamodeling score (LDS).
+
+The run's model is retrained on `validation.subsets` random subsets of the training set, one Dask task per subset,
+with the run's recipe (architecture, task, training spec and seed); each retrained model's query measurements are
+kept as one small file, so a stopped validation resumes with the subsets it has not finished. The LDS ranks, per
+query, the scores summed over each subset against those measurements (influence_core.lds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from distributed import as_completed
+
+from . import storage
+from ..errors import ConfigError
+from ..lds import linear_datamodeling_score
+from .models import build_model, train
+from ..objective import Objective
+from .refs import DataRef, ModelRef, StageRef, ValidationRef
+from .specs import ModelSpec, TrainingSpec, ValidationSpec
+from .threads import torch_threads
+from .loading import open_data
+from .stage import StageCall, StageLocation
+from .run_store import RunStore
+
+Progress = Callable[[int, int], None]
+
+
+def check_validate(spec: ValidationSpec, model: ModelSpec) -> None:
+    """Validation retrains the model, so it needs the recipe that trained it: refused for a loaded checkpoint."""
+    if spec.subsets and model.checkpoint:
+        raise ConfigError(
+            "validation.subsets", f"the model comes from model.checkpoint ({model.checkpoint}), so the pipeline has no recipe to retrain it on subsets",
+            "let the pipeline train the model (leave model.checkpoint empty, set training.*), or set validation.subsets to 0",
+        )
+
+
+def subset_mask(spec: ValidationSpec, index: int, n_train: int) -> np.ndarray:
+    """Subset `index`: round(fraction·n) distinct training rows, drawn from its own seeded stream."""
+    rng = np.random.default_rng([spec.seed, index])
+    mask = np.zeros(n_train, dtype=bool)
+    mask[rng.choice(n_train, size=max(1, round(spec.fraction * n_train)), replace=False)] = True
+    return mask
+
+
+@dataclass(frozen=True)
+class ValidationJob:
+    """What one retraining task needs: refs and specs, never data."""
+
+    spec: ValidationSpec
+    model: ModelSpec
+    training: TrainingSpec
+    data: DataRef
+    options: dict[str, Any]
+    url: str  # the stage's directory: subsets/{index}.json hold each retrained model's measurements
+    threads: int
+
+    @property
+    def queries(self) -> int:
+        return min(self.spec.queries, self.data.n_test)
+
+    def subset_url(self, index: int) -> str:
+        return storage.join(self.url, "subsets", f"{index}.json")
+
+
+def measure_subset(job: ValidationJob, index: int) -> list[float]:
+    """One Dask task: train the run's model on subset `index` and measure the first queries (the task's measurement)."""
+    arrays = open_data(job.data, job.options)
+    mask = subset_mask(job.spec, index, job.data.n_train)
+    x, y = np.asarray(arrays["x_train"][...])[mask], np.asarray(arrays["y_train"][...])[mask]
+    with torch_threads(job.threads), torch.random.fork_rng():
+        torch.manual_seed(job.training.seed)
+        model = build_model(job.model, job.data)
+        train(model, job.model, job.training, x, y)
+        task = job.model.make_task()
+        objective = Objective(model, task)
+        xq, yq = objective.to_model(torch.from_numpy(np.asarray(arrays["x_test"][: job.queries])), torch.from_numpy(np.asarray(arrays["y_test"][: job.queries])))
+        with torch.no_grad():
+            measured = task.measurement(task.output(model(xq)), yq)
+    values = [float(v) for v in measured.reshape(job.queries, -1).sum(dim=1)]
+    storage.write_json(job.subset_url(index), {"index": index, "measured": values}, job.options)
+    return values
+
+
+def _stored(job: ValidationJob, index: int) -> list[float] | None:
+    """A finished subset's measurements; None when absent or damaged (it is retrained)."""
+    try:
+        values = storage.read_json(job.subset_url(index), job.options)["measured"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    return values if isinstance(values, list) and len(values) == job.queries else None
+
+
+def _measure(job: ValidationJob, pending: list[int], client: Any, on_progress: Progress | None) -> Iterator[tuple[int, list[float]]]:
+    """Retrain the pending subsets, on the cluster or here, yielding (index, measurements) as each finishes."""
+    done = job.spec.subsets - len(pending)
+    if client is None:
+        results: Iterator[tuple[int, list[float]]] = ((i, measure_subset(job, i)) for i in pending)
+    else:
+        futures = {client.submit(measure_subset, job, i, pure=False, retries=2): i for i in pending}
+        results = ((futures[f], f.result()) for f in as_completed(futures))
+    for index, values in results:
+        done += 1
+        if on_progress:
+            on_progress(done, job.spec.subsets)
+        yield index, values
+
+
+def _validate(job: ValidationJob, scores: StageRef, store: RunStore, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
+    measured = {i: values for i in range(job.spec.subsets) if (values := _stored(job, i)) is not None}
+    pending = [i for i in range(job.spec.subsets) if i not in measured]
+    if pending:
+        with client_factory() as client:
+            measured.update(_measure(job, pending, client, on_progress))
+    masks = np.stack([subset_mask(job.spec, i, job.data.n_train) for i in range(job.spec.subsets)])
+    table = np.array([measured[i] for i in range(job.spec.subsets)])
+    score_rows = np.asarray(storage.open_array(scores.url, store.options)[: job.queries], dtype=np.float64)
+    lds = linear_datamodeling_score(score_rows, masks, table)
+    url = loc.path("validation.json")
+    result = {"lds_mean": _finite(lds.mean), "lds_stderr": _finite(lds.stderr), "lds_per_query": [_finite(v) for v in lds.per_query]}
+    storage.write_json(url, {**result, "measured": table.tolist()}, store.options)
+    return {
+        "url": url, "fingerprint": loc.key, "shape": (job.queries,), "dtype": "float64", **result,
+        "subsets": job.spec.subsets, "subsets_computed": len(pending), "fraction": job.spec.fraction, "queries": job.queries,
+        "work": {"trainings": len(pending), "training_rows": len(pending) * int(masks[0].sum()) * job.training.epochs},
+    }
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if np.isfinite(value) else None
+
+
+def plan(spec: ValidationSpec, model_spec: ModelSpec, training: TrainingSpec, data: DataRef, model: ModelRef, scores: StageRef, store: RunStore, threads: int) -> StageCall[ValidationRef]:
+    config = {"validate": spec.model_dump(mode="json"), "model": model_spec.model_dump(mode="json"), "training": training.model_dump(mode="json")}
+    return StageCall("validate", ValidationRef, config, {"data": data, "model": model, "scores": scores}, store, threads)
+
+
+def run(
+    spec: ValidationSpec, model_spec: ModelSpec, training: TrainingSpec, data: DataRef, model: ModelRef, scores: StageRef, store: RunStore, threads: int,
+    client_factory: Callable[[], Any], on_progress: Progress | None = None,
+) -> ValidationRef:
+    """The run's LDS over `spec.subsets` retrainings; `client_factory()` is a context manager yielding a Dask client or None."""
+    check_validate(spec, model_spec)
+    call = plan(spec, model_spec, training, data, model, scores, store, threads)
+    job = ValidationJob(spec, model_spec, training, data, store.options, call.location.url, threads)
+    return call.run(lambda loc: _validate(job, scores, store, client_factory, on_progress, loc))
