@@ -14,10 +14,10 @@ from rich.text import Text
 
 from influence_core.errors import ConfigError
 from influence_core.pipeline.publish import read_run
-from influence_core.pipeline.store import RunStore
+from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.verify import verify_run
-from influence_core.report import QueryRow
-from influence_core.specs import StorageSpec
+from influence_core.pipeline.report import QueryRow
+from influence_core.pipeline.specs import StorageSpec
 
 from .interrupts import Interrupted, interruptible
 from .messages import validation_lines

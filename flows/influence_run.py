@@ -12,18 +12,18 @@ from typing import Any, Callable, TypeVar
 from prefect import flow, get_run_logger
 from prefect.tasks import Task
 
-from influence_core.cluster import shared_clusters
+from influence_core.pipeline.cluster import shared_clusters
 from influence_core.pipeline import publish
 from influence_core.pipeline.aggregation import check_top_k
-from influence_core.pipeline.candidates import check_knn_k
+from influence_core.pipeline.candidate_scoring import check_knn_k
 from influence_core.pipeline.preconditioner import check_method
 from influence_core.pipeline.preflight import preflight
 from influence_core.pipeline.runlock import exclusive_run
 from influence_core.pipeline.scoring import space_warning
 from influence_core.pipeline.stage import producer
-from influence_core.pipeline.store import RunStore
-from influence_core.refs import StageRef
-from influence_core.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.refs import StageRef
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data, validate_run
 from tasks.publish import publish_run
 
@@ -107,13 +107,13 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     check_method(params.method, params.model, data)
     threads = params.compute.torch_threads
     model = run(fit_model, spec=params.model, training=params.training, data=data, store=store, threads=threads)
-    curvature = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
-    factors = run(compute_test_factors, method=params.method, model=model, data=data, curvature=curvature, store=store, threads=threads, compute=params.compute)
+    preconditioner = run(fit_preconditioner, method=params.method, model=model, data=data, store=store, compute=params.compute)
+    factors = run(compute_test_factors, method=params.method, model=model, data=data, preconditioner=preconditioner, store=store, threads=threads, compute=params.compute)
     publish.begin_run(store, fingerprint, params.overwrite)  # only now is influence.zarr touched: bad input found earlier leaves it as it was
     short = space_warning(store, data, params.aggregate)
     if short:
         get_run_logger().warning(short)
-    scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, curvature=curvature, factors=factors, store=store, candidates=params.candidates)
+    scores = run(compute_influences, compute=params.compute, method=params.method, aggregate=params.aggregate, model=model, data=data, preconditioner=preconditioner, factors=factors, store=store, candidates=params.candidates)
     run(aggregate, spec=params.aggregate, scores=scores, store=store)
     if params.validation.subsets:
         run(validate_run, spec=params.validation, model_spec=params.model, training=params.training, data=data, model=model, scores=scores, store=store, threads=threads, compute=params.compute)

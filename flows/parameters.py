@@ -8,11 +8,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from influence_core import storage
-from influence_core.pipeline.store import RunStore
+from influence_core.pipeline import storage
+from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.validation import check_validate
 from influence_core.errors import ConfigError
-from influence_core.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 
 
 PLACEMENT = {"compute": ("cluster", "address", "n_workers", "allow_multithreaded_workers"), "storage": ("endpoint_url", "region", "cache_url")}

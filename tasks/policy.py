@@ -22,8 +22,8 @@ from prefect.settings import PREFECT_HOME
 
 from influence_core import ConfigError, NumericalError
 from influence_core.pipeline.stage import StageCall
-from influence_core.pipeline.store import RunStore
-from influence_core.refs import StageRef
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.refs import StageRef
 
 R = TypeVar("R", bound=StageRef)
 

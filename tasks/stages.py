@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from prefect import task
 
-from influence_core.cluster import dask_client
-from influence_core.pipeline import aggregation, preconditioner, prepare, scoring, validation
-from influence_core.pipeline import factors as factor_stage
-from influence_core.pipeline import training as training_stage
-from influence_core.pipeline.store import RunStore
-from influence_core.refs import DataRef, ModelRef, ScoresRef, StageRef, ValidationRef
-from influence_core.specs import METHOD_CLASSES, AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec, ValidationSpec
+from influence_core.pipeline.cluster import dask_client
+from influence_core.pipeline import aggregation, preconditioner as preconditioner_stage, prepare, query_factors, scoring, training as training_stage, validation
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.refs import DataRef, ModelRef, ScoresRef, StageRef, ValidationRef
+from influence_core.pipeline.specs import METHOD_CLASSES, AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec, ValidationSpec
 
 from .policy import STAGE_OPTIONS, portable, stage_policy
 from .progress import ChunkProgress
@@ -30,31 +28,31 @@ def fit_model(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: Run
     return training_stage.run(spec, training, data, store, threads)
 
 
-@task(name="fit_preconditioner", cache_policy=stage_policy(preconditioner.plan), **STAGE_OPTIONS)
+@task(name="fit_preconditioner", cache_policy=stage_policy(preconditioner_stage.plan), **STAGE_OPTIONS)
 @portable
 def fit_preconditioner(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec) -> StageRef:
     """Fit the curvature state of the chosen method and store it (K-FAC factor passes run on the cluster)."""
-    return preconditioner.run(method, model, data, store, compute, client_factory=lambda: dask_client(compute, METHOD_CLASSES[method.name].thread_safe))
+    return preconditioner_stage.run(method, model, data, store, compute, client_factory=lambda: dask_client(compute, METHOD_CLASSES[method.name].thread_safe))
 
 
-@task(name="compute_test_factors", cache_policy=stage_policy(factor_stage.plan), **STAGE_OPTIONS)
+@task(name="compute_test_factors", cache_policy=stage_policy(query_factors.plan), **STAGE_OPTIONS)
 @portable
-def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int, compute: ComputeSpec | None = None) -> StageRef:
+def compute_test_factors(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, store: RunStore, threads: int, compute: ComputeSpec | None = None) -> StageRef:
     """(C + λI)⁻¹ ∇ℓ for every query, once per run; LiSSA's repeats run on the cluster (FastIF's parallel s_test)."""
     factory = None if compute is None else (lambda: dask_client(compute, METHOD_CLASSES[method.name].thread_safe))
-    return factor_stage.run(method, model, data, curvature, store, threads, client_factory=factory)
+    return query_factors.run(method, model, data, preconditioner, store, threads, client_factory=factory)
 
 
 @task(name="compute_influences", cache_policy=stage_policy(scoring.plan), **STAGE_OPTIONS)
 @portable
 def compute_influences(
-    compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore,
+    compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, factors: StageRef, store: RunStore,
     candidates: CandidatesSpec | None = None,
 ) -> ScoresRef:
     """Scores (and self-influences) for every (query, training example), or FastIF's candidate scores, one train chunk per Dask task; resumes where it stopped."""
     thread_safe = METHOD_CLASSES[method.name].thread_safe
     return scoring.run(
-        compute, method, aggregate, model, data, curvature, factors, store,
+        compute, method, aggregate, model, data, preconditioner, factors, store,
         client_factory=lambda: dask_client(compute, thread_safe),
         on_progress=ChunkProgress("compute_influences"), candidates=candidates,
     )

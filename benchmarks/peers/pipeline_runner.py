@@ -31,7 +31,7 @@ def self_influence_off() -> dict:
     has no such switch (self-influence is then always computed)."""
     from pydantic import ValidationError
 
-    from influence_core.specs import AggregateSpec
+    from influence_core.pipeline.specs import AggregateSpec
 
     for value in ("off", False):
         try:
@@ -71,7 +71,7 @@ def main() -> None:
 
     from flows.influence_run import influence_run
     from flows.parameters import RunParameters
-    from influence_core import storage
+    from influence_core.pipeline import storage
 
     params = RunParameters.model_validate(parameters(a.workload, json.loads(a.method), a.regularization, a.out))
     with PeakRSS() as memory:

@@ -1,6 +1,6 @@
 """Curvature methods, each an `InfluenceFunctionModel`."""
 
-from .base import BlockSolver, InfluenceFunctionModel
+from .influence_model import BlockSolver, InfluenceFunctionModel
 from .cg import CgInfluence
 from .datainf import DataInfInfluence
 from .direct import DirectInfluence

@@ -7,10 +7,10 @@ from typing import Literal
 import torch
 
 from ..blocks import BlockCurvature
-from ..lowrank import nystroem
+from ..spectral import nystroem
 from ..errors import RegularizationError
 from ..solvers import NotConverged, SolveInfo, block_conjugate_gradient, conjugate_gradient
-from .base import BlockSolver, InfluenceFunctionModel
+from .influence_model import BlockSolver, InfluenceFunctionModel
 
 CgPreconditioner = Literal["none", "jacobi", "nystroem"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import BlockCurvature
-from .base import BlockSolver, InfluenceFunctionModel
+from .influence_model import BlockSolver, InfluenceFunctionModel
 
 
 class DataInfSolver(BlockSolver):

@@ -8,7 +8,7 @@ import torch
 
 from ..blocks import BlockCurvature
 from ..errors import RegularizationError
-from .base import BlockSolver, InfluenceFunctionModel
+from .influence_model import BlockSolver, InfluenceFunctionModel
 
 
 class DirectSolver(BlockSolver):

@@ -2,32 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import torch
 
-from ..batches import count_rows
+from ..batches import Batches, count_rows
+from ..objective import Objective
 from ..work import Work
-
-if TYPE_CHECKING:
-    from .base import InfluenceFunctionModel
 
 
 class FeatureCovariance:
     """(1/n) Σ φ_i φ_iᵀ of the projected gradients φ, built in one pass over the data on first use and shared by
-    all blocks."""
+    all blocks. `features_of` maps a batch (x, y) to its projected gradients; `objective` counts the work and gives
+    the dtype and device."""
 
-    def __init__(self, model: "InfluenceFunctionModel") -> None:
-        self.model = model
+    def __init__(self, train: Batches | None, features_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], objective: Objective) -> None:
+        self.train, self.features_of, self.objective = train, features_of, objective
         self._matrix: torch.Tensor | None = None
 
     def features(self) -> Iterator[torch.Tensor]:
-        data = self.model.train
-        if data is None:
+        if self.train is None:
             raise RuntimeError("the projected curvature needs the training data: fit(train) first")
-        for x, y in data:
-            yield self.model.features_of(x, y)
+        for x, y in self.train:
+            yield self.features_of(x, y)
 
     def matrix(self) -> torch.Tensor:
         if self._matrix is None:
@@ -35,8 +32,8 @@ class FeatureCovariance:
             for f in self.features():
                 f = f.to(torch.float64)
                 total = f.T @ f if total is None else total + f.T @ f
-            assert total is not None and self.model.train is not None
-            self._matrix = total / count_rows(self.model.train)
+            assert total is not None and self.train is not None
+            self._matrix = total / count_rows(self.train)
         return self._matrix
 
     def block(self, sl: slice, name: str) -> "CovarianceBlock":
@@ -64,17 +61,17 @@ class CovarianceBlock:
 
     @property
     def work(self) -> Work:
-        return self.covariance.model.objective.work
+        return self.covariance.objective.work
 
     @property
     def n(self) -> int:
-        assert self.covariance.model.train is not None
-        return count_rows(self.covariance.model.train)
+        assert self.covariance.train is not None
+        return count_rows(self.covariance.train)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.covariance.model.objective.space.dtype
+        return self.covariance.objective.space.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.covariance.model.objective.space.device
+        return self.covariance.objective.space.device

@@ -6,7 +6,7 @@ import torch
 
 from ..blocks import BlockCurvature
 from ..self_influence import SelfInfluencePlan, Sketch
-from .base import BlockSolver, InfluenceFunctionModel
+from .influence_model import BlockSolver, InfluenceFunctionModel
 
 
 class IdentitySolver(BlockSolver):

@@ -11,11 +11,10 @@ size exposes. The factor sums are streamed batch by batch and add up, so they ca
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
-from typing_extensions import Self
 
 from ..batches import Batches, Data
 from ..blocks import BlockCurvature, Regularization
@@ -27,7 +26,7 @@ from ..objective import Objective
 from ..projection import Projection
 from ..self_influence import Diagonal, SelfInfluencePlan
 from ..task import LossFn, Task, resolve_task
-from .base import BlockSolver, InfluenceFunctionModel
+from .influence_model import BlockSolver, InfluenceFunctionModel
 
 Sums = dict[str, dict[str, torch.Tensor]]
 ROW_BUDGET_BYTES = 256 * 2**20  # per-example gradient matrices are formed this many bytes at a time

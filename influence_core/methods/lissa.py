@@ -9,7 +9,7 @@ from ..batches import BatchSampler
 from ..blocks import BlockCurvature
 from ..errors import NumericalError
 from ..reduction import pairwise_sum
-from .base import BlockSolver, InfluenceFunctionModel
+from .influence_model import BlockSolver, InfluenceFunctionModel
 
 
 class LissaSolver(BlockSolver):

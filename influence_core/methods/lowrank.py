@@ -6,9 +6,9 @@ import torch
 
 from ..blocks import BlockCurvature
 from ..errors import ConfigError
-from ..lowrank import hutchinson_trace, lanczos, nystroem
+from ..spectral import hutchinson_trace, lanczos, nystroem
 from ..self_influence import Diagonal, SelfInfluencePlan, Sketch, eigen_sketch
-from .base import BlockSolver, InfluenceFunctionModel
+from .influence_model import BlockSolver, InfluenceFunctionModel
 
 
 def check_rank(rank: int, dim: int) -> int:

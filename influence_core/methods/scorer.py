@@ -6,21 +6,44 @@ Each batch is captured once; scores and self-influences come from the same captu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from ..contraction import Batch, Rows, contract, factor_rows, weighted_squares
+from ..contraction import Batch, GradientSplit, RowOrder, Rows, contract, factor_rows, weighted_squares
 from ..self_influence import Diagonal, SelfInfluencePlan, Sketch, Solve
+from ..work import Work
 
-if TYPE_CHECKING:
-    from .base import InfluenceFunctionModel
+
+class ScoredModel(Protocol):
+    """What the scorer needs of a fitted influence model (`InfluenceFunctionModel` has it): declared here, so the
+    scorer depends on an interface and the model on the scorer, not both on each other."""
+
+    batch_size: int
+    row_order: RowOrder
+    query_rank: int | None
+    _split: GradientSplit | None
+
+    @property
+    def work(self) -> Work: ...
+
+    def _require_fitted(self) -> None: ...
+
+    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor) -> Batch: ...
+
+    def contracts(self) -> bool: ...
+
+    def batch_features(self, batch: Batch) -> torch.Tensor: ...
+
+    def block_norms(self, batch: Batch, features: torch.Tensor | None) -> torch.Tensor: ...
+
+    def precondition(self, features: torch.Tensor) -> torch.Tensor: ...
 
 
 class Scorer:
     """Callable on (x, y): (scores (n_queries, n) or None without factors, self-influences (n,) or None when off)."""
 
-    def __init__(self, im: "InfluenceFunctionModel", factors: torch.Tensor | Rows | None, plan: SelfInfluencePlan) -> None:
+    def __init__(self, im: ScoredModel, factors: torch.Tensor | Rows | None, plan: SelfInfluencePlan) -> None:
         """`factors`: flat (n_queries, p') as `influence_factors` returns them, or (for methods that contract) already
         as per-layer rows."""
         im._require_fitted()

@@ -8,14 +8,14 @@ import dask
 import dask.array as da
 import numpy as np
 
-from .. import storage
-from ..aggregations import Aggregates, aggregate_candidates, aggregate_scores
+from . import storage
+from .score_reductions import Aggregates, aggregate_candidates, aggregate_scores
 from ..errors import ConfigError, NumericalError
-from ..layout import DIMENSIONS
-from ..refs import StageRef
-from ..specs import AggregateSpec
+from .layout import DIMENSIONS
+from .refs import StageRef
+from .specs import AggregateSpec
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 
 def plan(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageCall[StageRef]:

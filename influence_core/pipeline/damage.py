@@ -14,7 +14,7 @@ from typing import Any
 from zarr.core.group import GroupMetadata
 from zarr.core.metadata.v3 import ArrayV3Metadata
 
-from .. import storage
+from . import storage
 
 METADATA = "zarr.json"
 

@@ -10,13 +10,13 @@ import torch
 import zarr
 from torch import nn
 
-from .. import storage
+from . import storage
 from ..batches import ArrayBatches, Batches, TensorBatches
 from ..contraction import Rows, stream_rows
 from ..methods import InfluenceFunctionModel
-from ..models import load_into, load_state
-from ..refs import DataRef, ModelRef, StageRef
-from ..specs import MethodSpec, ModelSpec
+from .models import load_into, load_state
+from .refs import DataRef, ModelRef, StageRef
+from .specs import MethodSpec, ModelSpec
 
 
 def open_data(data: DataRef, options: dict[str, Any]) -> dict[str, zarr.Array]:
@@ -56,11 +56,11 @@ def save_tensors(url: str, tensors: dict[str, torch.Tensor], options: dict[str, 
 
 
 def load_influence_model(
-    method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, options: dict[str, Any]
+    method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any]
 ) -> InfluenceFunctionModel:
     """The influence model with its stored curvature state, bound to the stored training data."""
     im = method.build(load_model(model, options), ModelSpec.model_validate(model.spec).make_task())
-    state = load_state(curvature.url, options, field="preconditioner")
+    state = load_state(preconditioner.url, options, field="preconditioner")
     return im.load_state_dict(state, train=train_batches(data, options, method.batch_size))
 
 

@@ -18,14 +18,14 @@ from distributed import Client
 from ..batches import ArrayBatches
 from ..methods import KfacInfluence
 from ..methods.kfac import Sums, factor_bases, merge
-from ..models import build_model
+from .models import build_model
 from ..reduction import summed_tasks
-from ..refs import DataRef, ModelRef, StageRef
-from ..specs import ComputeSpec, MethodSpec, ModelSpec
-from ..threads import TASK_THREADS, torch_threads
+from .refs import DataRef, ModelRef, StageRef
+from .specs import ComputeSpec, MethodSpec, ModelSpec
+from .threads import TASK_THREADS, torch_threads
 from .loading import load_model, open_data, save_tensors, train_batches
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 FACTOR_ROWS = 4096  # training rows per factor task
 

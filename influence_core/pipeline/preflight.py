@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .. import storage
-from ..cluster import check_scheduler
+from . import storage
+from .cluster import check_scheduler
 from ..errors import ConfigError
-from ..specs import ComputeSpec, ModelSpec
-from .store import RunStore
+from .specs import ComputeSpec, ModelSpec
+from .run_store import RunStore
 
 
 def preflight(store: RunStore, compute: ComputeSpec, model: ModelSpec) -> None:

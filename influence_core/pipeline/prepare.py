@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .. import storage
-from ..data import open_source, write_dataset
-from ..refs import DataRef
-from ..specs import DatasetSource, DatasetSpec
+from . import storage
+from .data import open_source, write_dataset
+from .refs import DataRef
+from .specs import DatasetSource, DatasetSpec
 from .stage import StageCall
-from .store import RunStore
+from .run_store import RunStore
 
 
 FILE_SOURCES = {DatasetSource.npz.value, DatasetSource.npy.value, DatasetSource.zarr.value}

@@ -8,15 +8,14 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from .. import storage
+from . import damage, storage
 from ..errors import ConfigError
-from ..layout import SCORE_CONVENTION
-from ..refs import DataRef, ModelRef, StageRef, ValidationRef
-from ..report import QueryRow, lds_line, render_report, topk_rows
+from .layout import SCORE_CONVENTION
+from .refs import DataRef, ModelRef, StageRef, ValidationRef
+from .report import QueryRow, lds_line, render_report, topk_rows
 from ..version import CODE_VERSION
-from . import damage
 from .loading import open_data
-from .store import RunStore
+from .run_store import RunStore
 
 SCHEMA_VERSION = 1
 REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"

@@ -24,8 +24,8 @@ from typing import Any
 import fsspec.asyn
 import psutil
 
-from .. import storage
-from .store import RunStore
+from . import storage
+from .run_store import RunStore
 
 LOCK_NAME = "run.lock"
 POLL_SECONDS = (0.5, 10.0)  # first and longest wait between two attempts at a held S3 lock

@@ -21,21 +21,20 @@ import torch
 import zarr
 from distributed import Client, as_completed
 
-from .. import storage
+from . import candidate_scoring as candidate_stage, storage
 from ..errors import ConfigError
-from ..layout import DIMENSIONS, ScoreLayout, score_layout
+from .layout import DIMENSIONS, ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
 from ..methods.scorer import Scorer
-from ..models import load_state
-from ..refs import DataRef, ModelRef, ScoresRef, StageRef
+from .models import load_state
+from .refs import DataRef, ModelRef, ScoresRef, StageRef
 from ..self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
-from ..specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec
-from ..threads import TASK_THREADS, torch_threads
+from .specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec
+from .threads import TASK_THREADS, torch_threads
 from ..work import Work
-from . import candidates as candidate_stage
 from .loading import load_influence_model, open_data, read_factors, save_tensors
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 Progress = Callable[[int, int], None]
 
@@ -48,7 +47,7 @@ class ScoreJob:
     method: MethodSpec
     model: ModelRef
     data: DataRef
-    curvature: StageRef
+    preconditioner: StageRef
     factors: StageRef
     layout: ScoreLayout
     influence_url: str
@@ -61,7 +60,7 @@ class _Scorer:
     """What a worker keeps between tasks: the fitted influence model, the scorer of the query factors, open arrays."""
 
     def __init__(self, job: ScoreJob) -> None:
-        self.im: InfluenceFunctionModel = load_influence_model(job.method, job.model, job.data, job.curvature, job.options)
+        self.im: InfluenceFunctionModel = load_influence_model(job.method, job.model, job.data, job.preconditioner, job.options)
         arrays = open_data(job.data, job.options)
         self.x, self.y = arrays["x_train"], arrays["y_train"]
         plan = plan_from_state(load_state(job.plan_url, job.options, field="self_influence_plan"))
@@ -113,7 +112,7 @@ def _score_chunk(scorer: _Scorer, job: ScoreJob, index: int) -> None:
 
 
 def plan(
-    compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef, store: RunStore,
+    compute: ComputeSpec, method: MethodSpec, aggregate: AggregateSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, factors: StageRef, store: RunStore,
     candidates: CandidatesSpec | None = None,
 ) -> StageCall[ScoresRef]:
     config: dict[str, Any] = {
@@ -124,7 +123,8 @@ def plan(
     }
     if candidates is not None and candidates.knn_k is not None:  # FastIF: candidate scores, no self-influence
         config.update(self_influence={"mode": "off"}, candidates=candidates.model_dump(mode="json"))
-    inputs = {"model": model, "data": data, "curvature": curvature, "factors": factors}
+    # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
+    inputs = {"model": model, "data": data, "curvature": preconditioner, "factors": factors}
     return StageCall("compute_influences", ScoresRef, config, inputs, store, compute.torch_threads, output_bytes=output_bytes(data, aggregate))
 
 
@@ -148,7 +148,7 @@ def _self_influence_plan(job: ScoreJob, aggregate: AggregateSpec, work: Work) ->
         return plan_from_state(load_state(job.plan_url, job.options, field="self_influence_plan"))
     except ConfigError:  # not stored yet, or cut short by a crash
         pass
-    im = load_influence_model(job.method, job.model, job.data, job.curvature, job.options)
+    im = load_influence_model(job.method, job.model, job.data, job.preconditioner, job.options)
     made = im.self_influence_plan(aggregate.self_influence, aggregate.self_influence_rank, n_queries=job.layout.n_test)
     work += im.work
     save_tensors(job.plan_url, plan_state(made), job.options)
@@ -238,7 +238,7 @@ def run(
     aggregate: AggregateSpec,
     model: ModelRef,
     data: DataRef,
-    curvature: StageRef,
+    preconditioner: StageRef,
     factors: StageRef,
     store: RunStore,
     client_factory: Callable[[], Any],
@@ -247,15 +247,15 @@ def run(
 ) -> ScoresRef:
     """Compute (or finish computing) the scores, or with `candidates.knn_k` only each query's candidates;
     `client_factory()` is a context manager yielding a Dask client or None."""
-    call = plan(compute, method, aggregate, model, data, curvature, factors, store, candidates)
+    call = plan(compute, method, aggregate, model, data, preconditioner, factors, store, candidates)
     if candidates is not None and candidates.knn_k is not None:
-        return candidate_stage.run(call, candidates, compute, method, model, data, curvature, factors, store, client_factory, on_progress)
-    job = make_job(call, compute, data, method, model, curvature, factors, store)
+        return candidate_stage.run(call, candidates, compute, method, model, data, preconditioner, factors, store, client_factory, on_progress)
+    job = make_job(call, compute, data, method, model, preconditioner, factors, store)
     return call.run(lambda loc: _compute(job, aggregate, client_factory, on_progress, loc))
 
 
-def make_job(call: StageCall[ScoresRef], compute: ComputeSpec, data: DataRef, method: MethodSpec, model: ModelRef, curvature: StageRef, factors: StageRef, store: RunStore) -> ScoreJob:
+def make_job(call: StageCall[ScoresRef], compute: ComputeSpec, data: DataRef, method: MethodSpec, model: ModelRef, preconditioner: StageRef, factors: StageRef, store: RunStore) -> ScoreJob:
     """The per-task payload: refs, the layout and where to write; never data."""
     layout = score_layout(data.n_test, data.n_train, compute.target_shard_mb, compute.train_chunk_rows)
     location = call.location
-    return ScoreJob(call.key, method, model, data, curvature, factors, layout, store.influence_url, location.path("done"), location.path("self_influence_plan.pt"), store.options)
+    return ScoreJob(call.key, method, model, data, preconditioner, factors, layout, store.influence_url, location.path("done"), location.path("self_influence_plan.pt"), store.options)

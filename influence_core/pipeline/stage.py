@@ -21,12 +21,11 @@ from typing import Any, Callable, Generic, TypeVar
 
 import zarr
 
-from .. import storage
-from ..refs import Ref, StageRef
-from ..threads import torch_threads
+from . import damage, storage
+from .refs import Ref, StageRef
+from .threads import torch_threads
 from ..version import CODE_VERSION
-from . import damage
-from .store import RunStore
+from .run_store import RunStore
 
 R = TypeVar("R", bound=StageRef)
 

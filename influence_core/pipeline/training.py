@@ -6,13 +6,13 @@ from typing import Any
 
 import torch
 
-from .. import storage
-from ..models import build_model, checkpoint_stamp, check_model_fits, load_into, load_state, state_bytes, train
-from ..refs import DataRef, ModelRef
-from ..specs import ModelSpec, TrainingSpec
+from . import storage
+from .models import build_model, checkpoint_stamp, check_model_fits, load_into, load_state, state_bytes, train
+from .refs import DataRef, ModelRef
+from .specs import ModelSpec, TrainingSpec
 from .loading import open_data
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 
 def plan(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, threads: int) -> StageCall[ModelRef]:

@@ -15,17 +15,17 @@ import numpy as np
 import torch
 from distributed import as_completed
 
-from .. import storage
+from . import storage
 from ..errors import ConfigError
 from ..lds import linear_datamodeling_score
-from ..models import build_model, train
+from .models import build_model, train
 from ..objective import Objective
-from ..refs import DataRef, ModelRef, StageRef, ValidationRef
-from ..specs import ModelSpec, TrainingSpec, ValidationSpec
-from ..threads import torch_threads
+from .refs import DataRef, ModelRef, StageRef, ValidationRef
+from .specs import ModelSpec, TrainingSpec, ValidationSpec
+from .threads import torch_threads
 from .loading import open_data
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 Progress = Callable[[int, int], None]
 

@@ -12,9 +12,8 @@ import dask.array as da
 import numpy as np
 import zarr
 
-from .. import storage
-from . import damage
-from .store import RunStore
+from . import damage, storage
+from .run_store import RunStore
 
 RTOL = 1e-5  # float32 scores: stored aggregates may differ from a recomputation by a few ulps
 

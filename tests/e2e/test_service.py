@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from influence_core import storage
-from influence_core.pipeline.store import RunStore
-from influence_core.specs import StorageSpec
+from influence_core.pipeline import storage
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.specs import StorageSpec
 from tests.e2e.conftest import PREFECT, REPO
 from tests.helpers import small_params
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from influence_core import storage
+from influence_core.pipeline import storage
 
 pytestmark = pytest.mark.e2e
 CHROMIUM = Path("/usr/bin/chromium")

@@ -48,7 +48,7 @@ def test_bad_override_is_reported_by_field(tmp_path):
 
 
 def test_show_refuses_an_incomplete_run(tmp_path):
-    from influence_core import storage
+    from influence_core.pipeline import storage
 
     group = storage.open_group(str(tmp_path / "influence.zarr"), {}, mode="w")
     group.attrs["status"] = "running"

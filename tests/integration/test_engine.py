@@ -18,12 +18,12 @@ import pytest
 import yaml
 from distributed import Client, LocalCluster
 
-from influence_core import ConfigError, storage
-from influence_core.cluster import dask_client, shared_clusters
-from influence_core.layout import score_layout
-from influence_core.pipeline import factors, preconditioner, prepare, scoring, training
+from influence_core import ConfigError
+from influence_core.pipeline import preconditioner, prepare, query_factors, scoring, storage, training
+from influence_core.pipeline.cluster import dask_client, shared_clusters
+from influence_core.pipeline.layout import score_layout
 from influence_core.pipeline.loading import open_data
-from influence_core.specs import ComputeSpec
+from influence_core.pipeline.specs import ComputeSpec
 from tests.helpers import read_outputs, small_params
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def upstream(params):
     threads = params.compute.torch_threads
     model = training.run(params.model, params.training, data, store, threads)
     curvature = preconditioner.run(params.method, model, data, store, params.compute, lambda: dask_client(params.compute, False))
-    return store, data, model, curvature, factors.run(params.method, model, data, curvature, store, threads)
+    return store, data, model, curvature, query_factors.run(params.method, model, data, curvature, store, threads)
 
 
 def score(params, client_factory=None):

@@ -9,15 +9,14 @@ import pytest
 import torch
 
 from flows.influence_run import influence_run
-from influence_core import storage
-from influence_core.candidates import knn_candidates
-from influence_core.cluster import dask_client
-from influence_core.pipeline import factors as factor_stage
+from influence_core.pipeline import query_factors, storage
+from influence_core.pipeline.knn_prefilter import knn_candidates
+from influence_core.pipeline.cluster import dask_client
 from influence_core.pipeline.publish import stored_refs
-from influence_core.pipeline.store import RunStore
+from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.verify import verify_run
-from influence_core.refs import DataRef, ModelRef
-from influence_core.specs import ComputeSpec
+from influence_core.pipeline.refs import DataRef, ModelRef
+from influence_core.pipeline.specs import ComputeSpec
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -107,7 +106,7 @@ def test_parallel_lissa_repeats_give_the_same_factors_on_any_cluster(tmp_path, d
     assert isinstance(model_ref, ModelRef) and isinstance(data_ref, DataRef)
     elsewhere = RunStore(output_url=str(tmp_path / "other"))  # a fresh stage cache: computed again, on the cluster
     on_cluster = ComputeSpec(cluster="address", address=dask_address)
-    ref = factor_stage.run(params.method, model_ref, data_ref, curvature, elsewhere, params.compute.torch_threads, client_factory=lambda: dask_client(on_cluster, False))
+    ref = query_factors.run(params.method, model_ref, data_ref, curvature, elsewhere, params.compute.torch_threads, client_factory=lambda: dask_client(on_cluster, False))
     np.testing.assert_array_equal(np.asarray(storage.open_array(ref.url, {})[...]), sequential)
     model, data = stored_model_and_data(params.store(), group)
     im = params.method.build(model, "cross_entropy").fit((data["x_train"], data["y_train"]))

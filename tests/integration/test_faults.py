@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.influence_run import influence_run
-from influence_core import storage
-from influence_core.specs import StorageSpec
+from influence_core.pipeline import storage
+from influence_core.pipeline.specs import StorageSpec
 from tests.helpers import assert_same_outputs, read_outputs, small_params
 from tests.proxy import FlakyProxy
 

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from influence_core import ConfigError, DirectInfluence
-from influence_core.cluster import dask_client
-from influence_core.pipeline import factors, preconditioner, prepare, scoring, training
+from influence_core.pipeline.cluster import dask_client
+from influence_core.pipeline import preconditioner, prepare, query_factors, scoring, training
 from influence_core.task import Classification
 from influence_core.pipeline.loading import load_model, open_data
 from tests.helpers import read_outputs, small_params
@@ -29,7 +29,7 @@ def run_stages(params):  # type: ignore[no-untyped-def]
     data = prepare.run(params.dataset, store)
     model = training.run(params.model, params.training, data, store, threads)
     curvature = preconditioner.run(params.method, model, data, store, params.compute, client)
-    facts = factors.run(params.method, model, data, curvature, store, threads)
+    facts = query_factors.run(params.method, model, data, curvature, store, threads)
     scoring.run(params.compute, params.method, params.aggregate, model, data, curvature, facts, store, client)
     return store, model, data
 
@@ -119,7 +119,7 @@ def test_builtin_cnn_on_images_equals_the_library(tmp_path):
 
 def test_damaged_safetensors_checkpoint_names_the_field(tmp_path):
     """Bytes that are not a .safetensors file are refused naming model.checkpoint, never unpickled."""
-    from influence_core.models import load_state
+    from influence_core.pipeline.models import load_state
 
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"\x00" * 16)

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.influence_run import influence_run
-from influence_core import ConfigError, storage
+from influence_core import ConfigError
+from influence_core.pipeline import storage
 from influence_core.pipeline.runlock import exclusive_run
 from tests.helpers import assert_same_outputs, read_outputs, small_params
 

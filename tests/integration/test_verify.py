@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.influence_run import influence_run
-from influence_core import storage
-from influence_core.pipeline.store import RunStore
+from influence_core.pipeline import storage
+from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.verify import verify_run
 from tests.helpers import small_params
 

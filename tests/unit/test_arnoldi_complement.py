@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from influence_core import ArnoldiInfluence, DirectInfluence
-from influence_core.lowrank import hutchinson_trace
+from influence_core.spectral import hutchinson_trace
 from influence_core.self_influence import Sketch
 from tests.problems import mlp
 

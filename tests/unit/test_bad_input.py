@@ -8,11 +8,11 @@ from pydantic import ValidationError
 from torch import nn
 
 from flows.parameters import RunParameters
-from influence_core import ConfigError, DirectInfluence, storage
-from influence_core.pipeline import prepare, training
+from influence_core import ConfigError, DirectInfluence
+from influence_core.pipeline import prepare, storage, training
 from influence_core.pipeline.aggregation import check_top_k
-from influence_core.pipeline.store import RunStore
-from influence_core.specs import AggregateSpec, DatasetSpec, ModelSpec, TrainingSpec
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.specs import AggregateSpec, DatasetSpec, ModelSpec, TrainingSpec
 
 
 def error_fields(exc: ValidationError) -> list[str]:
@@ -82,7 +82,7 @@ def test_non_differentiable_model_output():
 
 
 def test_weights_only_checkpoint_loading_refuses_pickled_objects(tmp_path):
-    from influence_core.models import load_state
+    from influence_core.pipeline.models import load_state
 
     path = tmp_path / "evil.pt"
     torch.save({"model": nn.Linear(2, 2)}, path)  # a whole module: needs full unpickling, refused

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from influence_core import storage
-from influence_core.pipeline import prepare
+from influence_core.pipeline import prepare, storage
 from influence_core.pipeline.loading import open_data
-from influence_core.pipeline.store import RunStore
-from influence_core.specs import DatasetSpec, StorageSpec
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.specs import DatasetSpec, StorageSpec
 from tests.datasets import blobs
 
 

@@ -14,13 +14,13 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
-from .candidates import resolve_module
+from .knn_prefilter import resolve_module
 from .dotted import DOTTED, load_attribute
-from .errors import ConfigError
+from ..errors import ConfigError
 from .losses import LossName
-from .projection import Projection
-from .task import BUILTIN, Classification, Task
-from .methods import (
+from ..projection import Projection
+from ..task import BUILTIN, Classification, Task
+from ..methods import (
     ArnoldiInfluence,
     CgInfluence,
     DataInfInfluence,

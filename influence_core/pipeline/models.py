@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from . import storage
-from .batches import ArrayBatches
-from .errors import ConfigError
-from .objective import Objective
+from ..batches import ArrayBatches
+from ..errors import ConfigError
+from ..objective import Objective
 from .refs import DataRef
 from .specs import ModelSpec, TrainingSpec
 

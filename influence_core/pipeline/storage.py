@@ -16,7 +16,7 @@ import fsspec
 import zarr
 from zarr.storage import FsspecStore, LocalStore
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 REMOTE_SCHEMES = ("s3",)
 

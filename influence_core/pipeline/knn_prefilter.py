@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .methods import InfluenceFunctionModel
+    from ..methods import InfluenceFunctionModel
 
 IndexKind = Literal["auto", "flat", "ivf", "hnsw"]
 FLAT_MAX_ROWS = 100_000  # auto: exact search up to this many training examples, IVF above

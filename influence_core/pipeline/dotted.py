@@ -6,7 +6,7 @@ import importlib
 import re
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DOTTED = re.compile(r"[\w.]+:\w+")
 

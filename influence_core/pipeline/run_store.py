@@ -8,9 +8,9 @@ from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from .. import storage
+from . import storage
 from ..errors import ConfigError
-from ..specs import StorageSpec
+from .specs import StorageSpec
 
 UNWRITABLE = {errno.ENOSPC: "full", errno.EDQUOT: "over its quota", errno.EROFS: "read-only", errno.EACCES: "not writable", errno.EPERM: "not writable"}
 

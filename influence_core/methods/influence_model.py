@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import nn
-from typing_extensions import Self
 
 from ..batches import Batches, Data, as_batches
 from ..blocks import BlockCurvature, BlockStructure, Regularization, block_regularization, layer_blocks, make_blocks
@@ -25,12 +24,13 @@ from ..contraction import Batch, GradientSplit, RowOrder, Rows, compress_rows, c
 from ..curvature import CurvatureOperator, SecondOrderMode
 from ..errors import ConfigError
 from ..layers import module_param_names, select_layers
-from ..lowrank import hutchinson_trace, lanczos, nystroem
+from ..spectral import hutchinson_trace, lanczos, nystroem
 from ..objective import Objective
 from ..projection import Projection, Projector, project_batch
 from ..self_influence import SelfInfluenceMode, SelfInfluencePlan, Sketch, Solve, auto_rank, eigen_sketch
 from ..task import LossFn, Task, resolve_task
 from .feature_covariance import FeatureCovariance
+from .scorer import Scorer
 
 SKETCH_SEED = 0
 
@@ -195,7 +195,7 @@ class InfluenceFunctionModel(ABC):
         if train is not None:
             self.train = as_batches(train, self.batch_size)
         if self.feature_space:
-            covariance = FeatureCovariance(self)
+            covariance = FeatureCovariance(self.train, self.features_of, self.objective)
             curvatures = {name: covariance.block(sl, name) for name, sl in self.blocks.items()}
         else:
             operator = CurvatureOperator(self.objective, self.train, self.second_order_mode)
@@ -394,5 +394,3 @@ class InfluenceFunctionModel(ABC):
         factors, features = self._dense_factors(x_test, y_test), self.gradient_features(x, y)
         return {module: factors[:, sl] @ features[:, sl].T for module, sl in self.module_segments().items()}
 
-
-from .scorer import Scorer  # noqa: E402  (the scorer calls back into the model; imported last to avoid a cycle)

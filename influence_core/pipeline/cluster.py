@@ -12,7 +12,7 @@ import torch
 from distributed import Client, LocalCluster
 from distributed.comm.addressing import parse_address, parse_host_port
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .specs import ClusterKind, ComputeSpec
 
 PROBE_TIMEOUT = 3.0  # seconds: an unreachable scheduler is reported at once, not after the client's 20 s timeout

@@ -11,21 +11,22 @@ import numpy as np
 import torch
 import zarr
 
-from .. import storage
+from . import storage
 from ..methods import LissaInfluence
 from ..reduction import summed_tasks
-from ..refs import DataRef, ModelRef, StageRef
-from ..specs import MethodSpec
-from ..threads import TASK_THREADS, torch_threads
+from .refs import DataRef, ModelRef, StageRef
+from .specs import MethodSpec
+from .threads import TASK_THREADS, torch_threads
 from ..work import Work
 from .loading import load_influence_model, open_data
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 
-def plan(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int) -> StageCall[StageRef]:
+def plan(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, store: RunStore, threads: int) -> StageCall[StageRef]:
     """The stage's key; where LiSSA's repeats run (compute) is not part of it: every cluster kind gives the same bits."""
-    inputs = {"model": model, "data": data, "curvature": curvature}
+    # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
+    inputs = {"model": model, "data": data, "curvature": preconditioner}
     return StageCall("compute_test_factors", StageRef, {"method": method.model_dump(mode="json")}, inputs, store, threads)
 
 
@@ -47,10 +48,10 @@ def write_rows(array: zarr.Array, lo: int, rows: np.ndarray) -> None:
         array[lo + start : lo + start + step] = rows[start : start + step]
 
 
-def lissa_repeat(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, options: dict[str, Any], index: int) -> tuple[np.ndarray, dict[str, float]]:
+def lissa_repeat(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], index: int) -> tuple[np.ndarray, dict[str, float]]:
     """One LiSSA repeat's term of the dense query factors, for every query, and the work it did: one Dask task."""
     with torch_threads(TASK_THREADS):  # the same arithmetic on any cluster kind, sequential included
-        im = load_influence_model(method, model, data, curvature, options)
+        im = load_influence_model(method, model, data, preconditioner, options)
         assert isinstance(im, LissaInfluence)
         arrays = open_data(data, options)
         x, y = torch.from_numpy(np.asarray(arrays["x_test"][...])), torch.from_numpy(np.asarray(arrays["y_test"][...]))
@@ -62,24 +63,24 @@ def _add_terms(a: tuple[np.ndarray, dict[str, float]], b: tuple[np.ndarray, dict
     return a[0] + b[0], {name: a[1][name] + b[1][name] for name in a[1]}
 
 
-def _lissa_dense(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, options: dict[str, Any], client_factory: Callable[[], Any] | None) -> tuple[np.ndarray, Work]:
+def _lissa_dense(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], client_factory: Callable[[], Any] | None) -> tuple[np.ndarray, Work]:
     """FastIF's parallel s_test: the T repeats as tasks with their own seeds, added in the pairwise tree of the
     library's own sum (`reduction.py`), so every cluster kind and the library give the same bits."""
-    calls = [(method, model, data, curvature, options, index) for index in range(getattr(method, "repeats"))]
+    calls = [(method, model, data, preconditioner, options, index) for index in range(getattr(method, "repeats"))]
     with client_factory() if client_factory is not None else nullcontext() as client:
         total, counted = summed_tasks(client, lissa_repeat, calls, _add_terms)
     return total, Work(**counted)
 
 
-def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, loc: StageLocation, client_factory: Callable[[], Any] | None) -> dict[str, Any]:
-    im = load_influence_model(method, model, data, curvature, store.options)
+def _compute(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, store: RunStore, loc: StageLocation, client_factory: Callable[[], Any] | None) -> dict[str, Any]:
+    im = load_influence_model(method, model, data, preconditioner, store.options)
     arrays = open_data(data, store.options)
     x_test, y_test = arrays["x_test"], arrays["y_test"]
     n_test = y_test.shape[0]
     work = Work()
     dense = None
     if method.name == "lissa":
-        dense, work = _lissa_dense(method, model, data, curvature, store.options, client_factory)
+        dense, work = _lissa_dense(method, model, data, preconditioner, store.options, client_factory)
     block = max(1, min(n_test, im.solve_block_bytes // (8 * im.objective.space.dim)))
     url = loc.path("factors.zarr")
     out = None
@@ -108,7 +109,7 @@ def _compute(method: MethodSpec, model: ModelRef, data: DataRef, curvature: Stag
     return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype), "work": work.as_dict()}
 
 
-def run(method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, store: RunStore, threads: int, client_factory: Callable[[], Any] | None = None) -> StageRef:
+def run(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, store: RunStore, threads: int, client_factory: Callable[[], Any] | None = None) -> StageRef:
     """Solve for the query factors with `threads` torch threads, or return the stored ones. LiSSA's repeats run as
     tasks on the cluster of `client_factory()` (a context manager yielding a Dask client or None), else here."""
-    return plan(method, model, data, curvature, store, threads).run(lambda loc: _compute(method, model, data, curvature, store, loc, client_factory))
+    return plan(method, model, data, preconditioner, store, threads).run(lambda loc: _compute(method, model, data, preconditioner, store, loc, client_factory))

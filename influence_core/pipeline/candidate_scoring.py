@@ -21,19 +21,19 @@ import numpy as np
 import torch
 from distributed import Client, as_completed
 
-from .. import storage
-from ..candidates import build_index, candidate_entries, index_kind, module_features, nearest
+from . import storage
+from .knn_prefilter import build_index, candidate_entries, index_kind, module_features, nearest
 from ..errors import ConfigError, NumericalError
-from ..layout import DIMENSIONS, ScoreLayout, score_layout
+from .layout import DIMENSIONS, ScoreLayout, score_layout
 from ..methods import InfluenceFunctionModel
 from ..methods.scorer import Scorer
-from ..refs import DataRef, ModelRef, ScoresRef, StageRef
-from ..specs import CandidatesSpec, ComputeSpec, MethodSpec
-from ..threads import TASK_THREADS, torch_threads
+from .refs import DataRef, ModelRef, ScoresRef, StageRef
+from .specs import CandidatesSpec, ComputeSpec, MethodSpec
+from .threads import TASK_THREADS, torch_threads
 from ..work import Work
 from .loading import load_influence_model, load_model, open_data, read_factors
 from .stage import StageCall, StageLocation
-from .store import RunStore
+from .run_store import RunStore
 
 Progress = Callable[[int, int], None]
 
@@ -47,7 +47,7 @@ class CandidateJob:
     method: MethodSpec
     model: ModelRef
     data: DataRef
-    curvature: StageRef
+    preconditioner: StageRef
     factors: StageRef
     layout: ScoreLayout  # how the training rows split into tasks
     influence_url: str
@@ -63,7 +63,7 @@ class _Worker:
     candidates and the training arrays."""
 
     def __init__(self, job: CandidateJob) -> None:
-        self.im: InfluenceFunctionModel = load_influence_model(job.method, job.model, job.data, job.curvature, job.options)
+        self.im: InfluenceFunctionModel = load_influence_model(job.method, job.model, job.data, job.preconditioner, job.options)
         arrays = open_data(job.data, job.options)
         self.x, self.y = arrays["x_train"], arrays["y_train"]
         self.scorer = Scorer(self.im, read_factors(self.im, job.factors.url, job.options, self.x, self.y), None)
@@ -221,10 +221,10 @@ def check_knn_k(spec: CandidatesSpec, n_train: int) -> None:
 
 
 def run(
-    call: StageCall[ScoresRef], spec: CandidatesSpec, compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, curvature: StageRef, factors: StageRef,
+    call: StageCall[ScoresRef], spec: CandidatesSpec, compute: ComputeSpec, method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, factors: StageRef,
     store: RunStore, client_factory: Callable[[], Any], on_progress: Progress | None = None,
 ) -> ScoresRef:
     """Compute (or finish computing) the candidate scores of the stage `call`."""
     layout = score_layout(data.n_test, data.n_train, compute.target_shard_mb, compute.train_chunk_rows)
-    job = CandidateJob(call.key, spec, method, model, data, curvature, factors, layout, store.influence_url, call.location.url, store.options)
+    job = CandidateJob(call.key, spec, method, model, data, preconditioner, factors, layout, store.influence_url, call.location.url, store.options)
     return call.run(lambda loc: _compute(job, client_factory, compute.torch_threads, on_progress, loc))

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import storage
 from .dotted import load_attribute
-from .errors import ConfigError
+from ..errors import ConfigError
 from .specs import DatasetSource, DatasetSpec
 
 GENERATION_BLOCK = 8192  # generated data depend on this, never on the storage chunking
