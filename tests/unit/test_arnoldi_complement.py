@@ -76,7 +76,7 @@ def test_full_rank_with_complement_is_exact(problem):
 
 def test_the_pipeline_parameter_reaches_the_library(problem):
     """method.complement builds the library's ArnoldiInfluence with the complement kept (and off by default)."""
-    from influence_core.specs import ArnoldiMethod
+    from influence_core.pipeline.specs import ArnoldiMethod
 
     pr = problem[0]
     on = ArnoldiMethod(regularization=LAM, rank=RANK, complement=True).build(pr.model, "cross_entropy")
