@@ -165,3 +165,12 @@ def test_summary_records_the_commit(stored_run):
     summary = json.loads((stored_run / "summary.json").read_text())
     assert summary["commit"] == head
     assert summary["code_version"] == CODE_VERSION  # what stage keys hold stays beside it
+
+
+def test_summary_records_only_the_sources_fields(stored_run):
+    """The digits run's recorded config holds the digits' own settings, no synthetic ones (n_classes, n_features,
+    noise), in summary.json and in the group's attributes."""
+    summary = json.loads((stored_run / "summary.json").read_text())
+    group, _ = read_outputs(RunStore(output_url=str(stored_run)))
+    for config in (summary["config"], group.attrs["config"]):
+        assert config["dataset"] == {"source": "digits", "n_train": 240, "n_test": 12, "seed": 0, "chunk_rows": 64, "test_fraction": 0.2}
