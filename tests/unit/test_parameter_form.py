@@ -61,6 +61,23 @@ def test_dataset_sources_are_choices_each_with_its_own_fields():
     assert demo == {"source": "digits", "n_train": None, "n_test": None, "seed": 0, "chunk_rows": 4096, "test_fraction": 0.2}
 
 
+def test_the_server_accepts_each_source_with_its_own_fields_only():
+    """Prefect's server-side validation (enforce_parameter_schema) against the flow's schema, as the deployment
+    stores it: a source's own fields pass, another source's are refused."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    from flows.influence_run import influence_run
+
+    schema = parameter_schema(influence_run).model_dump_for_openapi()
+    assert validate({"dataset": RunParameters().public_config()["dataset"]}, schema) == []
+    assert validate({"dataset": {"source": "synthetic_classification", "n_features": 5, "n_classes": 3, "noise": 0.2}}, schema) == []
+    assert validate({"dataset": {"source": "npz", "path": "data.npz", "test_fraction": 0.3}}, schema) == []
+    assert validate({"dataset": {"source": "digits", "n_classes": 3}}, schema) != []
+    assert validate({"dataset": {"source": "synthetic_regression", "n_classes": 3}}, schema) != []
+    assert validate({"dataset": {"source": "csv"}}, schema) != []
+
+
 def test_dataset_keys_are_those_of_the_flat_spec():
     """prepare_data's key config and the run fingerprint hash the dataset as the flat spec dumped it (these dicts
     and fingerprints were taken from commit 98cf5ce, before the split), so existing runs keep their keys."""
