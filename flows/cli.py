@@ -1,34 +1,49 @@
-"""`influence-pipeline`: run the flow from a YAML config, run the demo, or show a finished run."""
+"""`influence-pipeline`: run the flow from a YAML config, run the demo, or show a finished run.
+
+Only typer, rich and the standard library are imported here, so `--help` answers at once; torch, Prefect, zarr,
+Dask and the parameter models are imported inside the commands that use them.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-import yaml
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from influence_core.errors import ConfigError
-from influence_core.pipeline.publish import read_run
-from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.verify import verify_run
-from influence_core.pipeline.report import QueryRow
-from influence_core.pipeline.specs import StorageSpec
+if TYPE_CHECKING:
+    from influence_core.pipeline.run_store import RunStore
+    from influence_core.pipeline.report import QueryRow
 
-from .interrupts import Interrupted, interruptible
-from .messages import validation_lines
-from .parameters import RunParameters
+    from .parameters import RunParameters
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Influence functions for PyTorch models at scale: which training examples made the model predict this?")
+app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console()
+
+
+def print_version(requested: bool) -> None:
+    """`--version`: the package version and the git commit of its source, then exit."""
+    if requested:
+        from influence_core.version import __version__, source_commit
+
+        console.print(f"influence-pipeline {__version__} (commit {source_commit()})", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=print_version, is_eager=True, help="Print the version and the commit, then exit.")] = False,
+) -> None:
+    """Influence functions for PyTorch models at scale: which training examples made the model predict this?"""
 
 
 def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set dotted keys (`method.name=cg`); values are parsed as YAML, so numbers and lists keep their type."""
+    import yaml
+
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -52,6 +67,11 @@ def fail(lines: list[str], code: int) -> typer.Exit:
 
 def parse_parameters(config: dict[str, Any]) -> RunParameters:
     """Validate, turning pydantic's report into one line per bad field with its dotted name."""
+    from pydantic import ValidationError
+
+    from .messages import validation_lines
+    from .parameters import RunParameters
+
     try:
         return RunParameters.model_validate(config)
     except ValidationError as exc:
@@ -60,6 +80,8 @@ def parse_parameters(config: dict[str, Any]) -> RunParameters:
 
 def load_config(path: Path) -> dict[str, Any]:
     """The YAML mapping at `path`; a missing file or invalid YAML is an invalid parameter (exit 2)."""
+    import yaml
+
     if not path.is_file():
         raise fail([f"--config: {str(path)!r} is not a file. Fix: give the path of a YAML file of RunParameters (see configs/)"], 2)
     try:
@@ -89,7 +111,11 @@ def execute(params: RunParameters) -> None:
     """Run the flow, then print the top-k table and where the outputs are."""
     from prefect.logging.handlers import APILogWorker
 
-    from .influence_run import influence_run  # imported late: importing prefect is slow, and --help should not be
+    from influence_core.errors import ConfigError
+    from influence_core.pipeline.publish import read_run
+
+    from .influence_run import influence_run
+    from .interrupts import Interrupted, interruptible
 
     try:
         with interruptible(before_stop=lambda: APILogWorker.drain_all(timeout=5)):  # the run's last logs reach the API before its server stops
@@ -102,6 +128,10 @@ def execute(params: RunParameters) -> None:
     print_table(rows, f"Top training examples for the first {len(rows)} queries (score > 0: helpful)")
     for name, stage in summary["stages"].items():
         console.print(f"  {name:<22} {stage['outcome']:<15} {stage['seconds']:8.2f} s")
+    if "validation" in summary:
+        from influence_core.pipeline.report import lds_line
+
+        console.print(lds_line(summary["validation"]))
     console.print(f"Scores and aggregates: {summary['influence']}")
     console.print(f"Report:                {summary['report']}")
     console.print(f"Summary:               {params.store().url('summary.json')}")
@@ -133,15 +163,24 @@ def show(
     output_url: Annotated[str, typer.Argument(help="Output URL of a finished run: local path or s3://bucket/prefix.")],
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
     queries: Annotated[int, typer.Option(min=1, help="How many queries to show.")] = 10,
+    top: Annotated[Optional[int], typer.Option(min=1, show_default="all stored", help="Most helpful and most harmful examples per query, up to the run's top_k.")] = None,
 ) -> None:
     """Print the top-k table of a finished run."""
+    from influence_core.errors import ConfigError
+    from influence_core.pipeline.publish import read_run
+
     store = open_store(output_url, endpoint_url)
     try:
-        attrs, rows = read_run(store, queries)
+        attrs, rows = read_run(store, queries, top)
     except ConfigError as exc:
         raise fail([str(exc)], 1) from None
     method = attrs.get("config", {}).get("method", {}).get("name", "?")
     print_table(rows, f"{store.output_url}: method={method}, top training examples per query")
+    validation = attrs.get("refs", {}).get("validate")
+    if validation:
+        from influence_core.pipeline.report import lds_line
+
+        console.print(lds_line(validation))
 
 
 @app.command()
@@ -150,6 +189,8 @@ def verify(
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
 ) -> None:
     """Check a run: complete, every array of the output layout with its shape, aggregates equal to the scores'. Exit 1 on any failure."""
+    from influence_core.pipeline.verify import verify_run
+
     store = open_store(output_url, endpoint_url)
     checks = verify_run(store)
     table = Table(title=f"verify {store.output_url}")
@@ -166,6 +207,13 @@ def verify(
 
 def open_store(output_url: str, endpoint_url: str | None) -> RunStore:
     """The run's location for show and verify; a bad URL is an invalid parameter (exit 2)."""
+    from pydantic import ValidationError
+
+    from influence_core.pipeline.run_store import RunStore
+    from influence_core.pipeline.specs import StorageSpec
+
+    from .messages import validation_lines
+
     try:
         return RunStore(output_url=output_url, storage=StorageSpec(endpoint_url=endpoint_url))
     except ValidationError as exc:

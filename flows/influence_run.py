@@ -23,7 +23,7 @@ from influence_core.pipeline.scoring import space_warning
 from influence_core.pipeline.stage import producer
 from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.refs import StageRef
-from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data, validate_run
 from tasks.publish import publish_run
 
@@ -70,7 +70,7 @@ def _described_sections(fn: Callable[..., Any]) -> Callable[..., Any]:
 @_described_sections
 def influence_run(
     output_url: str = "runs/demo",
-    dataset: DatasetSpec = DatasetSpec(),
+    dataset: DatasetSpec = DigitsDataset(),
     model: ModelSpec = ModelSpec(),
     training: TrainingSpec = TrainingSpec(),
     method: MethodSpec = DirectMethod(),

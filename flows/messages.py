@@ -52,14 +52,16 @@ def _line(err: Any, model: type[BaseModel]) -> str:
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, ConfigError):  # a validator that already knows the field and the fix
         return str(cause)
-    path, section = _walk(model, [str(part) for part in err["loc"]])
+    path, section, members = _walk(model, [str(part) for part in err["loc"]])
     field = ".".join(path) or "(top level)"
-    return f"{field}: {err['msg']}. Fix: {_fix(err, field, path, section)}"
+    return f"{field}: {err['msg']}. Fix: {_fix(err, field, path, section, members)}"
 
 
-def _walk(model: type[BaseModel], loc: list[str]) -> tuple[list[str], type[BaseModel] | None]:
-    """The dotted path as written in a config (a method's tag dropped), and the model that holds its last part."""
+def _walk(model: type[BaseModel], loc: list[str]) -> tuple[list[str], type[BaseModel] | None, list[type[BaseModel]]]:
+    """The dotted path as written in a config (a method's or dataset's tag dropped), the model that holds its last
+    part, and that model's rivals when it is one member of a tagged union."""
     path: list[str] = []
+    members: list[type[BaseModel]] = []
     current: type[BaseModel] | None = model
     parts = iter(loc)
     for part in parts:
@@ -71,23 +73,38 @@ def _walk(model: type[BaseModel], loc: list[str]) -> tuple[list[str], type[BaseM
             members = [a for a in typing.get_args(field.annotation) or (field.annotation,) if isinstance(a, type) and issubclass(a, BaseModel)]
             if len(members) == 1:
                 current = members[0]
-            elif members:  # a union tagged by `name`: pydantic puts the tag in the location
+            elif members:  # a tagged union (method by `name`, dataset by `source`): pydantic puts the tag in the location
                 tag = next(parts, None)
-                current = next((m for m in members if m.model_fields["name"].default == tag), None)
+                current = next((m for m in members if (_tag(m) or ("", None))[1] == tag), None)
         if current is None:
-            return path + list(parts), holder
-    return path, current
+            return path + list(parts), holder, members if holder in members else []
+    return path, current, members if current in members else []
 
 
-def _fix(err: Any, field: str, path: list[str], section: type[BaseModel] | None) -> str:
+def _tag(member: type[BaseModel]) -> tuple[str, Any] | None:
+    """The field and value that tell a member of a tagged union apart (`name`, `source`): its one-value Literal."""
+    for name, field in member.model_fields.items():
+        values = typing.get_args(field.annotation)
+        if typing.get_origin(field.annotation) is typing.Literal and len(values) == 1:
+            return name, values[0]
+    return None
+
+
+def _fix(err: Any, field: str, path: list[str], section: type[BaseModel] | None, members: list[type[BaseModel]]) -> str:
     kind, ctx = err["type"], err.get("ctx") or {}
     if kind == "extra_forbidden" and section is not None:
         allowed = list(section.model_fields)
         close = difflib.get_close_matches(path[-1], allowed, n=1)
         where = ".".join(path[:-1]) or "the top level"
-        if "name" in section.model_fields and len(path) > 1:  # one member of a tagged union: say which
-            where += f" (name={section.model_fields['name'].default})"
-        return (f"did you mean {close[0]!r}? " if close else f"remove {path[-1]!r}; ") + f"{where} takes {', '.join(allowed)}"
+        tag = _tag(section)
+        owners = [str(t[1]) for m in members if path[-1] in m.model_fields and (t := _tag(m))]
+        if owners and tag:  # a setting of another source or method: say which, rather than a near name of this one
+            start = f"{path[-1]!r} belongs to {tag[0]}={' or '.join(owners)}: set {where}.{tag[0]} to one of those, or remove it; "
+        else:
+            start = f"did you mean {close[0]!r}? " if close else f"remove {path[-1]!r}; "
+        if tag and len(path) > 1:  # one member of a tagged union: say which
+            where += f" ({tag[0]}={tag[1]})"
+        return start + f"{where} takes {', '.join(allowed)}"
     if kind in BOUNDS and BOUNDS[kind][0] in ctx:
         key, phrase = BOUNDS[kind]
         return f"set {field} to " + phrase.format(ctx[key])

@@ -12,7 +12,7 @@ from influence_core.pipeline import storage
 from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.validation import check_validate
 from influence_core.errors import ConfigError
-from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 
 
 PLACEMENT = {"compute": ("cluster", "address", "n_workers", "allow_multithreaded_workers"), "storage": ("endpoint_url", "region", "cache_url")}
@@ -24,7 +24,7 @@ class RunParameters(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Influence run")
 
     output_url: str = Field("runs/demo", title="Output URL", description="Local directory or s3://bucket/prefix receiving influence.zarr, report.png and summary.json.")
-    dataset: DatasetSpec = Field(default_factory=DatasetSpec, title="Dataset", description="Where the training and query examples come from, and how they are split and chunked.")
+    dataset: DatasetSpec = Field(default_factory=DigitsDataset, title="Dataset", description="Where the training and query examples come from (a source, with only that source's settings), and how they are split and chunked.")
     model: ModelSpec = Field(default_factory=ModelSpec, title="Model", description="The PyTorch model whose predictions are attributed: built here and trained, or loaded from a checkpoint.")
     training: TrainingSpec = Field(default_factory=TrainingSpec, title="Training", description="How the model is trained in the fit_model stage (ignored with a checkpoint).")
     method: MethodSpec = Field(default_factory=DirectMethod, title="Curvature method", description="How (H + λI)⁻¹ is approximated: exact, iterative, low-rank, Kronecker-factored, or none.")
@@ -93,7 +93,8 @@ class RunParameters(BaseModel):
         where = {"output_url": True, "overwrite": True, "compute": set(PLACEMENT["compute"]), "storage": set(PLACEMENT["storage"])}
         if not self.validation.subsets:
             where["validation"] = True
-        payload = json.dumps(self.model_dump(mode="json", exclude=where), sort_keys=True)  # type: ignore[arg-type]
+        dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config()}  # type: ignore[arg-type]
+        payload = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
     def public_config(self) -> dict[str, Any]:

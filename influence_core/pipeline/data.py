@@ -13,7 +13,7 @@ import numpy as np
 from . import storage
 from .dotted import load_attribute
 from ..errors import ConfigError
-from .specs import DatasetSource, DatasetSpec
+from .specs import DatasetSpec, DigitsDataset, HeldOutDataset, PathDataset, SyntheticClassificationDataset, SyntheticDataset
 
 GENERATION_BLOCK = 8192  # generated data depend on this, never on the storage chunking
 Block = tuple[np.ndarray, np.ndarray]
@@ -45,7 +45,7 @@ def _labels(y: np.ndarray) -> np.ndarray:
     return y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
 
 
-def _digits(spec: DatasetSpec) -> Source:
+def _digits(spec: DigitsDataset) -> Source:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -60,11 +60,11 @@ def _digits(spec: DatasetSpec) -> Source:
     )
 
 
-def _synthetic(spec: DatasetSpec) -> Source:
+def _synthetic(spec: SyntheticDataset) -> Source:
     """Seeded Gaussian inputs with labels from a fixed random teacher, generated in fixed-size blocks."""
-    classify = spec.source == DatasetSource.synthetic_classification.value
+    n_classes = spec.n_classes if isinstance(spec, SyntheticClassificationDataset) else None
     d = spec.n_features
-    teacher = np.random.default_rng(spec.seed).standard_normal((d, spec.n_classes if classify else 1)) / np.sqrt(d)
+    teacher = np.random.default_rng(spec.seed).standard_normal((d, n_classes or 1)) / np.sqrt(d)
 
     def split(split_id: int, n: int) -> Split:
         def blocks() -> Iterator[Block]:
@@ -72,7 +72,7 @@ def _synthetic(spec: DatasetSpec) -> Source:
                 rng = np.random.default_rng([spec.seed, split_id, b])
                 x = rng.standard_normal((min(GENERATION_BLOCK, n - lo), d)).astype(np.float32)
                 signal = x @ teacher
-                if classify:
+                if n_classes:
                     y = np.argmax(3 * signal + spec.noise * rng.gumbel(size=signal.shape), axis=1).astype(np.int64)
                 else:
                     y = (signal[:, 0] + spec.noise * rng.standard_normal(len(x))).astype(np.float32)
@@ -80,10 +80,10 @@ def _synthetic(spec: DatasetSpec) -> Source:
 
         return Split(n, blocks)
 
-    return Source(split(0, spec.n_train or 1000), split(1, spec.n_test or 100), spec.n_classes if classify else None, None)
+    return Source(split(0, spec.n_train or 1000), split(1, spec.n_test or 100), n_classes, None)
 
 
-def _load_npz(spec: DatasetSpec) -> dict[str, np.ndarray]:
+def _load_npz(spec: PathDataset) -> dict[str, np.ndarray]:
     assert spec.path is not None
     try:
         with np.load(spec.path) as f:
@@ -92,13 +92,13 @@ def _load_npz(spec: DatasetSpec) -> dict[str, np.ndarray]:
         raise ConfigError("dataset.path", f"cannot read {spec.path!r} as .npz ({exc})", "give a file written by numpy.savez") from None
 
 
-def _load_npy_dir(spec: DatasetSpec) -> dict[str, np.ndarray]:
+def _load_npy_dir(spec: PathDataset) -> dict[str, np.ndarray]:
     """`x_train.npy`, ... (or `x.npy`, `y.npy`) in a directory, memory-mapped: read block by block."""
     assert spec.path is not None
     return {p.stem: np.load(p, mmap_mode="r") for p in sorted(Path(spec.path).expanduser().glob("*.npy"))}
 
 
-def _open_zarr(spec: DatasetSpec, options: dict[str, Any]) -> dict[str, Any]:
+def _open_zarr(spec: PathDataset, options: dict[str, Any]) -> dict[str, Any]:
     """The arrays of a Zarr group, local or on S3, opened lazily."""
     assert spec.path is not None
     try:
@@ -108,7 +108,7 @@ def _open_zarr(spec: DatasetSpec, options: dict[str, Any]) -> dict[str, Any]:
     return dict(group.arrays())
 
 
-def _torch_source(spec: DatasetSpec) -> Source:
+def _torch_source(spec: PathDataset) -> Source:
     """`package.module:factory` returning a torch Dataset of (x, y) pairs (split here) or a (train, test) pair,
     streamed through a DataLoader in blocks of `chunk_rows`."""
     from torch.utils.data import DataLoader, Subset
@@ -130,7 +130,7 @@ def _torch_source(spec: DatasetSpec) -> Source:
     return Source(split(train_set, spec.n_train), split(test_set, spec.n_test), None, None)
 
 
-def _held_out(n: int, spec: DatasetSpec) -> np.ndarray:
+def _held_out(n: int, spec: HeldOutDataset) -> np.ndarray:
     """Sorted, seeded random query rows: n_test of them, or test_fraction of n."""
     count = min(spec.n_test or max(1, int(spec.test_fraction * n)), n - 1)
     return np.sort(np.random.default_rng(spec.seed).choice(n, count, replace=False))
@@ -149,7 +149,7 @@ def _range_split(x: Any, y: Any, stop: int, block_rows: int, keep: np.ndarray | 
     return Split(count, blocks)
 
 
-def _check_pairs(arrays: dict[str, Any], spec: DatasetSpec) -> None:
+def _check_pairs(arrays: dict[str, Any], spec: PathDataset) -> None:
     """Each x has as many rows as its y, and none is empty: checked on shapes, before any row is read."""
     for suffix in ("_train", "_test", ""):
         x, y = arrays.get(f"x{suffix}"), arrays.get(f"y{suffix}")
@@ -161,7 +161,7 @@ def _check_pairs(arrays: dict[str, Any], spec: DatasetSpec) -> None:
             raise ConfigError("dataset.path", f"{spec.path!r}: x{suffix} has no rows", "give a dataset with examples in it")
 
 
-def _from_arrays(arrays: dict[str, Any], spec: DatasetSpec) -> Source:
+def _from_arrays(arrays: dict[str, Any], spec: PathDataset) -> Source:
     """A source from named array-likes (memory maps, Zarr): an explicit train/test split, or x, y with a seeded
     random hold-out of queries (read by index) while the training rows stream in blocks, never loaded whole."""
     _check_pairs(arrays, spec)
@@ -183,7 +183,7 @@ def _from_arrays(arrays: dict[str, Any], spec: DatasetSpec) -> Source:
     return Source(train, test, None, None)
 
 
-def _npz(spec: DatasetSpec, options: dict[str, Any]) -> Source:
+def _npz(spec: PathDataset, options: dict[str, Any]) -> Source:
     arrays = _load_npz(spec)
     _check_pairs(arrays, spec)
     if {"x", "y"} <= arrays.keys() and "x_train" not in arrays:  # small enough to be in memory: stratify-free random split
@@ -194,14 +194,14 @@ def _npz(spec: DatasetSpec, options: dict[str, Any]) -> Source:
     return _from_arrays(arrays, spec)
 
 
-SOURCES: dict[str, Callable[[DatasetSpec, dict[str, Any]], Source]] = {
-    DatasetSource.digits.value: lambda spec, options: _digits(spec),
-    DatasetSource.synthetic_classification.value: lambda spec, options: _synthetic(spec),
-    DatasetSource.synthetic_regression.value: lambda spec, options: _synthetic(spec),
-    DatasetSource.npz.value: _npz,
-    DatasetSource.npy.value: lambda spec, options: _from_arrays(_load_npy_dir(spec), spec),
-    DatasetSource.zarr.value: lambda spec, options: _from_arrays(_open_zarr(spec, options), spec),
-    DatasetSource.torch.value: lambda spec, options: _torch_source(spec),
+SOURCES: dict[str, Callable[[Any, dict[str, Any]], Source]] = {
+    "digits": lambda spec, options: _digits(spec),
+    "synthetic_classification": lambda spec, options: _synthetic(spec),
+    "synthetic_regression": lambda spec, options: _synthetic(spec),
+    "npz": _npz,
+    "npy": lambda spec, options: _from_arrays(_load_npy_dir(spec), spec),
+    "zarr": lambda spec, options: _from_arrays(_open_zarr(spec, options), spec),
+    "torch": lambda spec, options: _torch_source(spec),
 }
 
 

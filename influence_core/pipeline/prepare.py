@@ -5,17 +5,17 @@ from __future__ import annotations
 from . import storage
 from .data import open_source, write_dataset
 from .refs import DataRef
-from .specs import DatasetSource, DatasetSpec
+from .specs import DatasetSpec, NpyDataset, NpzDataset, ZarrDataset
 from .stage import StageCall
 from .run_store import RunStore
 
 
-FILE_SOURCES = {DatasetSource.npz.value, DatasetSource.npy.value, DatasetSource.zarr.value}
+FILE_SOURCES = (NpzDataset, NpyDataset, ZarrDataset)
 
 
 def plan(spec: DatasetSpec, store: RunStore) -> StageCall[DataRef]:
-    config = spec.model_dump(mode="json")
-    if spec.source in FILE_SOURCES:  # replaced files must not hit the cache of the old ones
+    config = spec.key_config()
+    if isinstance(spec, FILE_SOURCES):  # replaced files must not hit the cache of the old ones
         config["path_stat"] = storage.stat_token(storage.validate_url(spec.path or "", "dataset.path"), store.options)
     return StageCall("prepare_data", DataRef, config, {}, store)
 

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from .layout import SCORE_CONVENTION
 from .refs import DataRef, ModelRef, StageRef, ValidationRef
 from .report import QueryRow, lds_line, render_report, topk_rows
-from ..version import CODE_VERSION
+from ..version import CODE_VERSION, source_commit
 from .loading import open_data
 from .run_store import RunStore
 
@@ -106,6 +106,7 @@ def publish(
         "stages": stages,
         "config": config,
         "code_version": CODE_VERSION,
+        "commit": source_commit(),
         "versions": package_versions(),
     }
     stored = portable_summary(store, summary)
@@ -148,8 +149,9 @@ def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
     return {name: types.get(name, StageRef).model_validate(ref).moved(store.resolve) for name, ref in attrs["refs"].items()}
 
 
-def read_run(store: RunStore, n_queries: int) -> tuple[dict[str, Any], list[QueryRow]]:
-    """A finished run's attributes and top-k rows; a missing or unfinished run is refused with a ConfigError."""
+def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tuple[dict[str, Any], list[QueryRow]]:
+    """A finished run's attributes and top-k rows, `n_show` examples each (None: all the run stores); a missing or
+    unfinished run, or more examples than it stores (`show --top`), is refused with a ConfigError."""
     damaged = damage.damaged_nodes(store.influence_url, store.options)
     if damaged:
         raise ConfigError("output_url", damage.describe(store.influence_url, damaged), REPAIR_FIX)
@@ -160,6 +162,9 @@ def read_run(store: RunStore, n_queries: int) -> tuple[dict[str, Any], list[Quer
     status = group.attrs.get("status")
     if status != "complete":
         raise ConfigError("output_url", f"the run at {store.output_url!r} is not complete (status={status!r})", "run it again with the same parameters to finish it")
+    stored = group["topk_helpful_indices"].shape[1]
+    if n_show is not None and n_show > stored:
+        raise ConfigError("--top", f"{n_show} is more than the {stored} examples per query the run stores (its top_k)", f"give --top {stored} or less, or run again with aggregate.top_k={n_show}")
     data = stored_refs(store, group.attrs)["prepare_data"]
     assert isinstance(data, DataRef)
-    return dict(group.attrs), query_rows(store, data, n_queries)
+    return dict(group.attrs), query_rows(store, data, n_queries, stored if n_show is None else n_show)

@@ -11,7 +11,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 from .knn_prefilter import resolve_module
@@ -47,6 +47,18 @@ def plain_optional(schema: dict[str, Any]) -> None:
             prop.update(kept[0])
 
 
+class _AnyOfSchema:
+    """Render a tagged union as `anyOf` in JSON schema: Prefect's form offers a choice among `anyOf` variants
+    (it shows nothing for `oneOf`), while validation still dispatches on the tag (`name`, `source`) and reports errors per field."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        schema = handler(core_schema)
+        if "oneOf" in schema:
+            schema["anyOf"] = schema.pop("oneOf")
+            schema.pop("discriminator", None)
+        return schema
+
+
 class Spec(BaseModel):
     """Base for settings: unknown keys are errors, so a typo never passes silently."""
 
@@ -54,47 +66,102 @@ class Spec(BaseModel):
 
 
 # -- dataset -----------------------------------------------------------------------------------------
-class DatasetSource(str, Enum):
-    digits = "digits"
-    synthetic_classification = "synthetic_classification"
-    synthetic_regression = "synthetic_regression"
-    npz = "npz"
-    npy = "npy"
-    zarr = "zarr"
-    torch = "torch"
+# The flat dataset spec's defaults of the fields that a source no longer has: stage keys and run fingerprints still
+# hash them, so the cached stages and the stored runs of existing configs keep their keys.
+RETIRED_DATASET_DEFAULTS: dict[str, Any] = {"path": None, "test_fraction": 0.2, "n_features": 20, "n_classes": 2, "noise": 0.1}
 
 
-class DatasetSpec(Spec):
-    source: DatasetSource = Field(
-        DatasetSource.digits,
-        title="Source",
-        description="digits: scikit-learn's 8x8 digits; synthetic_*: seeded generated data; npz: a .npz file; npy: a directory "
-        "of .npy files (memory-mapped); zarr: a Zarr group, local or s3://; torch: a `package.module:factory` returning a "
-        "torch Dataset or a (train, test) pair. Arrays are x_train, y_train, x_test, y_test, or x, y split by test_fraction.",
-    )
-    path: str | None = Field(None, title="Path", description="The file, directory, Zarr URL, or `package.module:factory` for the file-based and torch sources.")
+class DatasetBase(Spec):
+    source: str  # each source's model narrows it to its own tag, a Literal with that default; declared here to come first
     n_train: int | None = Field(None, ge=1, title="Training examples", description="Keep at most this many training examples (all when empty; synthetic: how many to generate).")
     n_test: int | None = Field(None, ge=1, title="Query examples", description="Keep at most this many query examples (all when empty; synthetic: how many to generate).")
-    test_fraction: float = Field(0.2, gt=0, lt=1, title="Query fraction", description="Share of the data held out as queries when the source has no split.")
-    n_features: int = Field(20, ge=1, title="Features (synthetic)", description="Input dimension of synthetic data.")
-    n_classes: int = Field(2, ge=2, title="Classes (synthetic)", description="Number of classes of synthetic_classification.")
-    noise: float = Field(0.1, ge=0, title="Noise (synthetic)", description="Label noise scale of synthetic data.")
     seed: int = Field(0, title="Seed", description="Seed of the split and of generated data.")
     chunk_rows: int = Field(4096, ge=1, title="Rows per chunk", description="Rows per Zarr chunk of the stored arrays.")
 
+    def key_config(self) -> dict[str, Any]:
+        """The settings as the prepare_data key and the run fingerprint hash them (see RETIRED_DATASET_DEFAULTS)."""
+        return {**RETIRED_DATASET_DEFAULTS, **self.model_dump(mode="json")}
+
+
+class HeldOutDataset(DatasetBase):
+    test_fraction: float = Field(0.2, gt=0, lt=1, title="Query fraction", description="Share of the data held out as queries when the source has no split.")
+
+
+class DigitsDataset(HeldOutDataset):
+    model_config = ConfigDict(title="Digits (scikit-learn)")
+
+    source: Literal["digits"] = Field("digits", title="Source", description="scikit-learn's 8x8 digits: 1,797 images of 10 classes.")
+
+
+class SyntheticDataset(DatasetBase):
+    n_features: int = Field(20, ge=1, title="Features", description="Input dimension of the generated data.")
+    noise: float = Field(0.1, ge=0, title="Noise", description="Noise scale: on the teacher's logits (classification, so label noise) or on the targets (regression).")
+
+
+class SyntheticClassificationDataset(SyntheticDataset):
+    model_config = ConfigDict(title="Synthetic classification")
+
+    source: Literal["synthetic_classification"] = Field("synthetic_classification", title="Source", description="Seeded Gaussian inputs, labels from a fixed random linear teacher.")
+    n_classes: int = Field(2, ge=2, title="Classes", description="Number of classes.")
+
+
+class SyntheticRegressionDataset(SyntheticDataset):
+    model_config = ConfigDict(title="Synthetic regression")
+
+    source: Literal["synthetic_regression"] = Field("synthetic_regression", title="Source", description="Seeded Gaussian inputs, targets from a fixed random linear teacher.")
+
+
+class PathDataset(HeldOutDataset):
+    path: str | None = Field(None, title="Path", description="The file, directory, Zarr URL, or `package.module:factory` of the source.")
+
     @model_validator(mode="after")
-    def _path_fits_source(self) -> "DatasetSpec":
+    def _path_fits_source(self) -> "PathDataset":
         needs = {"npz": "a .npz file", "npy": "a directory of .npy files", "zarr": "a Zarr group URL", "torch": "a `package.module:factory`"}
-        if self.source not in needs:
-            return self
         if not self.path:
             raise ConfigError("dataset.path", f"source={self.source} needs a path", f"give {needs[self.source]}")
-        if self.source == DatasetSource.torch.value:
+        if self.source == "torch":
             if not re.fullmatch(r"[\w.]+:\w+", self.path):
                 raise ConfigError("dataset.path", f"{self.path!r} is not `package.module:factory`", "name an importable module and a factory in it, e.g. mypackage.data:make_dataset")
         elif "://" not in self.path and not Path(self.path.removeprefix("file://")).expanduser().exists():
             raise ConfigError("dataset.path", f"{self.path!r} does not exist", f"give {needs[self.source]} that exists")
         return self
+
+
+class NpzDataset(PathDataset):
+    model_config = ConfigDict(title=".npz file")
+
+    source: Literal["npz"] = Field("npz", title="Source", description="A .npz file of x_train, y_train, x_test, y_test, or x, y split by test_fraction.")
+
+
+class NpyDataset(PathDataset):
+    model_config = ConfigDict(title=".npy directory")
+
+    source: Literal["npy"] = Field("npy", title="Source", description="A directory of .npy files (memory-mapped), named as for npz.")
+
+
+class ZarrDataset(PathDataset):
+    model_config = ConfigDict(title="Zarr group")
+
+    source: Literal["zarr"] = Field("zarr", title="Source", description="A Zarr group, local or s3://, of arrays named as for npz.")
+
+
+class TorchFactoryDataset(PathDataset):
+    model_config = ConfigDict(title="Torch dataset factory")
+
+    source: Literal["torch"] = Field("torch", title="Source", description="A `package.module:factory` returning a torch Dataset of (x, y) pairs, or a (train, test) pair.")
+
+
+def _digits_by_default(value: Any) -> Any:
+    """A dataset section without `source` is the digits (the demo's dataset), as when the spec was flat."""
+    return {"source": "digits", **value} if isinstance(value, dict) else value
+
+
+DatasetSpec = Annotated[
+    Union[DigitsDataset, SyntheticClassificationDataset, SyntheticRegressionDataset, NpzDataset, NpyDataset, ZarrDataset, TorchFactoryDataset],
+    Field(discriminator="source"),
+    BeforeValidator(_digits_by_default),
+    _AnyOfSchema(),
+]
 
 
 # -- model and training --------------------------------------------------------------------------------
@@ -333,18 +400,6 @@ METHOD_CLASSES: dict[str, type[InfluenceFunctionModel]] = {
     "kfac": KfacInfluence,
     "ekfac": EkfacInfluence,
 }
-
-class _AnyOfSchema:
-    """Render a tagged union as `anyOf` in JSON schema: Prefect's form offers a choice among `anyOf` variants
-    (it shows nothing for `oneOf`), while validation still dispatches on `name` and reports errors per field."""
-
-    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
-        schema = handler(core_schema)
-        if "oneOf" in schema:
-            schema["anyOf"] = schema.pop("oneOf")
-            schema.pop("discriminator", None)
-        return schema
-
 
 MethodSpec = Annotated[
     Union[DirectMethod, CgMethod, LissaMethod, ArnoldiMethod, NystroemMethod, DataInfMethod, IdentityMethod, KfacMethod, EkfacMethod],

@@ -180,6 +180,8 @@ def invalid(id: str, change: Callable[[dict[str, Any], Path], None], field_name:
 PARAMETER_CASES = [
     invalid("unknown method option", set_in("method.rtol", 1e-3), "method.rtol", "name=direct", "regularization"),
     invalid("unknown method", set_in("method.name", "newton"), "method", "'cg'"),
+    invalid("setting of another source", set_in("dataset.n_features", 20), "dataset.n_features", "belongs to source=synthetic_classification or synthetic_regression", "set dataset.source"),
+    invalid("unknown dataset source", set_in("dataset.source", "csv"), "dataset", "'digits'", "'npz'"),
     invalid("top_k = 0", set_in("aggregate.top_k", 0), "aggregate.top_k", "1 or more"),
     invalid("dataset chunk_rows = 0", set_in("dataset.chunk_rows", 0), "dataset.chunk_rows", "1 or more"),
     invalid("train_chunk_rows = 0", set_in("compute.train_chunk_rows", 0), "compute.train_chunk_rows", "1 or more"),

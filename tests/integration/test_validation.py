@@ -97,3 +97,14 @@ def test_validation_that_cannot_retrain_is_refused_naming_the_field(tmp_path) ->
         params(tmp_path / "ckpt", model={"architecture": "linear", "checkpoint": str(tmp_path / "model.pt")})
     with pytest.raises(ValidationError, match=r"validation.subsets: 2 subsets give no rank correlation"):
         small_params(str(tmp_path / "two"), validation={"subsets": 2})
+
+
+def test_show_prints_the_lds(validated) -> None:
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    run, summary = validated
+    shown = CliRunner().invoke(app, ["show", run.output_url, "--queries", "1"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    assert f"LDS {summary['validation']['lds_mean']:.3f} ± {summary['validation']['lds_stderr']:.3f} over 6 retrainings on 50% subsets, 5 queries" in shown.output

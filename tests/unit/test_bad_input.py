@@ -12,7 +12,7 @@ from influence_core import ConfigError, DirectInfluence
 from influence_core.pipeline import prepare, storage, training
 from influence_core.pipeline.aggregation import check_top_k
 from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.specs import AggregateSpec, DatasetSpec, ModelSpec, TrainingSpec
+from influence_core.pipeline.specs import AggregateSpec, DigitsDataset, ModelSpec, TrainingSpec
 
 
 def error_fields(exc: ValidationError) -> list[str]:
@@ -52,7 +52,7 @@ def test_top_k_above_n_train_is_refused():
 
 def test_model_output_not_fitting_labels(tmp_path):
     store = RunStore(output_url=str(tmp_path))
-    data = prepare.run(DatasetSpec(n_train=50, n_test=5), store)
+    data = prepare.run(DigitsDataset(n_train=50, n_test=5), store)
     with pytest.raises(ConfigError, match=r"model.output_dim: the model emits 5 columns but the labels go up to 9.*10 outputs"):
         training.run(ModelSpec(hidden=[4], output_dim=5), TrainingSpec(epochs=1), data, store, threads=1)
     assert not list((tmp_path / "stages" / "fit_model").glob("*/manifest.json"))  # nothing half-done looks complete

@@ -40,6 +40,55 @@ def test_methods_and_cluster_kinds_are_choices():
     assert defs["ClusterKind"]["enum"] == ["local", "cuda", "address", "sequential"]
 
 
+DATASET_DEFS = ["DigitsDataset", "SyntheticClassificationDataset", "SyntheticRegressionDataset", "NpzDataset", "NpyDataset", "ZarrDataset", "TorchFactoryDataset"]
+
+
+def test_dataset_sources_are_choices_each_with_its_own_fields():
+    """The dataset is one model per source: the form offers the sources as choices, and each holds only the fields
+    that source reads (a digits run records no synthetic settings)."""
+    schema = RunParameters.model_json_schema()
+    defs = schema["$defs"]
+    assert [v["$ref"].split("/")[-1] for v in schema["properties"]["dataset"]["anyOf"]] == DATASET_DEFS
+    sources = {defs[name]["properties"]["source"]["const"]: set(defs[name]["properties"]) for name in DATASET_DEFS}
+    common = {"source", "n_train", "n_test", "seed", "chunk_rows"}
+    assert sources == {
+        "digits": common | {"test_fraction"},
+        "synthetic_classification": common | {"n_features", "noise", "n_classes"},
+        "synthetic_regression": common | {"n_features", "noise"},
+        **{name: common | {"test_fraction", "path"} for name in ("npz", "npy", "zarr", "torch")},
+    }
+    demo = RunParameters().public_config()["dataset"]
+    assert demo == {"source": "digits", "n_train": None, "n_test": None, "seed": 0, "chunk_rows": 4096, "test_fraction": 0.2}
+
+
+def test_the_server_accepts_each_source_with_its_own_fields_only():
+    """Prefect's server-side validation (enforce_parameter_schema) against the flow's schema, as the deployment
+    stores it: a source's own fields pass, another source's are refused."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    from flows.influence_run import influence_run
+
+    schema = parameter_schema(influence_run).model_dump_for_openapi()
+    assert validate({"dataset": RunParameters().public_config()["dataset"]}, schema) == []
+    assert validate({"dataset": {"source": "synthetic_classification", "n_features": 5, "n_classes": 3, "noise": 0.2}}, schema) == []
+    assert validate({"dataset": {"source": "npz", "path": "data.npz", "test_fraction": 0.3}}, schema) == []
+    assert validate({"dataset": {"source": "digits", "n_classes": 3}}, schema) != []
+    assert validate({"dataset": {"source": "synthetic_regression", "n_classes": 3}}, schema) != []
+    assert validate({"dataset": {"source": "csv"}}, schema) != []
+
+
+def test_dataset_keys_are_those_of_the_flat_spec():
+    """prepare_data's key config and the run fingerprint hash the dataset as the flat spec dumped it (these dicts
+    and fingerprints were taken from commit 98cf5ce, before the split), so existing runs keep their keys."""
+    flat_digits = {"source": "digits", "path": None, "n_train": None, "n_test": None, "test_fraction": 0.2, "n_features": 20, "n_classes": 2, "noise": 0.1, "seed": 0, "chunk_rows": 4096}
+    assert RunParameters().dataset.key_config() == flat_digits
+    assert RunParameters().run_fingerprint() == "e6badfa7dc6a04ce7ebe6bdd"
+    synthetic = {"source": "synthetic_classification", "n_train": 100, "n_features": 5, "n_classes": 3}
+    assert RunParameters.model_validate({"dataset": synthetic}).run_fingerprint() == "e3a0c5c179ad0bd8ed11a2cf"
+    assert RunParameters.model_validate({"dataset": {"source": "synthetic_regression", "noise": 0.5}}).run_fingerprint() == "0edfbe72dca4d36ccaf73d7a"
+
+
 def test_empty_optional_settings_are_plain_inputs():
     """An optional number, string or list left empty is a plain input, not a type switch offering "None"; the
     values still validate as None, and Prefect's server-side validator accepts a null for them."""
@@ -49,10 +98,11 @@ def test_empty_optional_settings_are_plain_inputs():
     defs = schema["$defs"]
     switches = [path for path, prop in walk(schema, defs) if {"type": "null"} in prop.get("anyOf", []) and "$ref" not in str(prop["anyOf"])]
     assert not switches, switches
-    assert defs["DatasetSpec"]["properties"]["n_train"] == {**defs["DatasetSpec"]["properties"]["n_train"], "type": "integer", "minimum": 1}
+    for source in DATASET_DEFS:
+        assert defs[source]["properties"]["n_train"] == {**defs[source]["properties"]["n_train"], "type": "integer", "minimum": 1}
     assert RunParameters.model_validate({"dataset": {"n_train": None}}).dataset.n_train is None
     definitions = {**defs, "RunParameters": {k: v for k, v in schema.items() if k != "$defs"}}
-    flat = {"type": "object", "properties": {"dataset": {"$ref": "#/definitions/DatasetSpec"}}, "definitions": definitions}
+    flat = {"type": "object", "properties": {"dataset": schema["properties"]["dataset"]}, "definitions": definitions}
     flat = json.loads(json.dumps(flat).replace("#/$defs/", "#/definitions/"))  # Prefect's layout of a flow's schema
     assert validate({"dataset": {"n_train": None, "path": None}}, flat) == []
     assert validate({"dataset": {"n_train": 0}}, flat) != []
