@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/influence-pipeline demo
 
 # `make test`: everything but the end-to-end cases (a Prefect server, a worker and a browser) and the slow
-# whole-process ones (signals, S3 outages, concurrent runs, SIGKILL, reproducibility across clusters);
+# whole-process ones (signals, S3 outages, concurrent runs, SIGKILL, lost workers, every cluster kind, reproducibility);
 # `make test-e2e` runs those, and .ci/run runs both. Exit code 5 (no test selected) is not a failure.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e and not slow" --durations=15 || [ $$? -eq 5 ]

@@ -75,6 +75,7 @@ def test_version_prints_package_version_and_commit():
     assert done.stdout.strip() == f"influence-pipeline {version('influence-pipeline')} (commit {head})"
 
 
+@pytest.mark.slow
 def test_run_with_config_and_overrides_then_show_from_s3(tmp_path, s3_endpoint, s3_bucket):
     params = small_params(f"s3://{s3_bucket}/cli", storage={"endpoint_url": s3_endpoint})
     config = tmp_path / "run.yaml"

@@ -65,6 +65,7 @@ def reference(tmp_path_factory):
     return params, ref, read_outputs(store)[1]
 
 
+@pytest.mark.slow
 def test_every_cluster_kind_gives_identical_scores(reference, dask_address, tmp_path):
     params, ref, expected = reference
     assert ref.gradient_rows == 400 and ref.chunks_computed == ref.n_chunks == 13  # each training gradient once
@@ -133,6 +134,7 @@ def test_cuda_cluster_without_gpu_is_a_clear_error():
             pass
 
 
+@pytest.mark.slow
 def test_lost_worker_still_gives_correct_scores(reference, tmp_path):
     params, _, expected = reference
     with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster) as client:

@@ -62,6 +62,7 @@ def test_a_stage_with_bad_input_fails_the_run_at_once(tmp_path):
     assert len(runs) == 1 and runs[0].run_count == 1
 
 
+@pytest.mark.slow
 def test_two_concurrent_runs_compute_each_stage_once(tmp_path):
     from prefect.settings import PREFECT_API_URL
 

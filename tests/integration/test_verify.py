@@ -153,6 +153,7 @@ def test_ties_may_be_broken_either_way(run_copy: Path) -> None:
     assert failed(store) == ["top-k helpful"]
 
 
+@pytest.mark.slow
 def test_verify_on_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
     params = small_params(f"s3://{s3_bucket}/run", storage={"endpoint_url": s3_endpoint})
     influence_run(**params.sections())
