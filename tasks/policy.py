@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import errno
 import functools
-import inspect
 import json
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -21,8 +21,7 @@ from prefect.locking.filesystem import FileSystemLockManager
 from prefect.settings import PREFECT_HOME
 
 from influence_core import ConfigError, NumericalError
-from influence_core.pipeline.stage import StageCall
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.stage import StageInput
 from influence_core.pipeline.refs import StageRef
 
 R = TypeVar("R", bound=StageRef)
@@ -30,35 +29,33 @@ R = TypeVar("R", bound=StageRef)
 
 @dataclass
 class StagePolicy(CachePolicy):
-    """Cache key = the stage key: input fingerprints, the stage's own config and the code version.
-
-    Never the tensors: tasks only receive refs and specs. `planner` takes the task's arguments and returns the
-    `StageCall`, which also tells the flow whether the store still holds the output.
-    """
-
-    planner: Optional[Callable[..., StageCall[Any]]] = None
-
-    def plan(self, inputs: dict[str, Any]) -> StageCall[Any]:
-        """The stage call of the task's arguments (those the planner takes: a task may need more to run than to plan)."""
-        assert self.planner is not None
-        accepted = inspect.signature(self.planner).parameters
-        return self.planner(**{name: value for name, value in inputs.items() if name in accepted})
+    """Cache key = the stage key of the task's one input (its planned call): input fingerprints, the stage's own
+    config and the code version. Never the tensors: tasks only receive refs and specs."""
 
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> Optional[str]:
-        return self.plan(inputs).key
+        stage: StageInput[Any] = inputs["stage"]
+        return stage.call.key
+
+
+_WAITED: set[str] = set()  # stage keys whose lock was last taken after waiting for another holder
+_WAITED_LOCK = threading.Lock()
 
 
 class CrashSafeLockManager(FileSystemLockManager):
     """File locks that a killed process cannot keep: each lock file also records the host and pid that took it,
     and a lock whose process on this host no longer exists is broken, so a run resumed after SIGKILL does not wait
-    forever for its dead predecessor. (Prefect's holders are opaque ids, so the pid is added here.)"""
+    forever for its dead predecessor. (Prefect's holders are opaque ids, so the pid is added here.) It also notes
+    which locks were taken after another holder let go (`waited`): that holder may have just written the output."""
 
     def acquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None, hold_timeout: Optional[float] = None) -> bool:
+        held = self.is_locked(key)
         acquired = super().acquire_lock(key, holder, acquire_timeout, hold_timeout)
         if acquired:
             path = self._lock_path_for_key(key)
             record = json.loads(path.read_bytes())
             path.write_text(json.dumps({**record, "host": socket.gethostname(), "pid": os.getpid()}))
+            with _WAITED_LOCK:
+                (_WAITED.add if held else _WAITED.discard)(key)
         return acquired
 
     def is_locked(self, key: str, use_cache: bool = False) -> bool:
@@ -74,26 +71,35 @@ class CrashSafeLockManager(FileSystemLockManager):
         return super().is_locked(key, use_cache)
 
 
-def stage_policy(planner: Callable[..., StageCall[Any]]) -> CachePolicy:
+def waited(key: str) -> bool:
+    """Whether this process last took the lock of stage `key` after waiting for another holder."""
+    with _WAITED_LOCK:
+        return key in _WAITED
+
+
+def stage_policy() -> CachePolicy:
     """A stage's cache policy with SERIALIZABLE isolation: of two runs that need the same stage at once, one
     computes it while the other waits on the lock, then finds the output complete. Locks are files under
     $INFLUENCE_LOCK_DIR (default: PREFECT_HOME/locks), shared by every run on one host; across hosts, configure
     a shared lock manager such as prefect-redis's."""
     lock_dir = Path(os.environ.get("INFLUENCE_LOCK_DIR") or Path(PREFECT_HOME.value()) / "locks")
-    return StagePolicy(planner=planner).configure(isolation_level="SERIALIZABLE", lock_manager=CrashSafeLockManager(lock_dir))
+    return StagePolicy().configure(isolation_level="SERIALIZABLE", lock_manager=CrashSafeLockManager(lock_dir))
 
 
-def portable(stage: Callable[..., R]) -> Callable[..., R]:
-    """The stage's ref with URLs relative to the output's root: Prefect persists it beside the outputs, which may be
+def stage_body(stage_fn: Callable[[Any], R]) -> Callable[[Any], R]:
+    """A stage task's body around its one input. The flow's existence check already read the manifest; it is read
+    again only when the stage's lock was taken after another run held it (that run may have written the output).
+    The ref comes back with URLs relative to the output's root: Prefect persists it beside the outputs, which may be
     moved or copied elsewhere; the flow resolves it against the output where it is now (`RunStore.resolve`)."""
-    signature = inspect.signature(stage)
 
-    @functools.wraps(stage)
-    def relative(*args: Any, **kwargs: Any) -> R:
-        store: RunStore = signature.bind(*args, **kwargs).arguments["store"]
-        return stage(*args, **kwargs).moved(store.relative)
+    @functools.wraps(stage_fn)
+    def body(stage: StageInput[R]) -> R:
+        call = stage.call
+        if waited(call.key):
+            call.existing(recheck=True)
+        return stage_fn(stage).moved(call.store.relative)
 
-    return relative
+    return body
 
 
 def is_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:

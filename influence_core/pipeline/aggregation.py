@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import dask
@@ -14,13 +15,20 @@ from ..errors import ConfigError, NumericalError
 from .layout import DIMENSIONS
 from .refs import StageRef
 from .specs import AggregateSpec
-from .stage import StageCall, StageLocation
+from .stage import StageCall, StageInput, StageLocation
 from .run_store import RunStore
 
 
-def plan(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageCall[StageRef]:
-    config = {"top_k": spec.top_k}
-    return StageCall("aggregate", StageRef, config, {"scores": scores}, store)
+@dataclass(frozen=True)
+class AggregationInput(StageInput[StageRef]):
+    """The aggregate spec and the scores (or candidate scores) it reduces."""
+
+    spec: AggregateSpec
+    scores: StageRef
+    store: RunStore
+
+    def plan(self) -> StageCall[StageRef]:
+        return StageCall("aggregate", StageRef, {"top_k": self.spec.top_k}, {"scores": self.scores}, self.store)
 
 
 def check_top_k(spec: AggregateSpec, n_train: int) -> None:
@@ -71,5 +79,6 @@ def _from_candidates(spec: AggregateSpec, group: Any, n_train: int) -> tuple[Agg
     return result, totals
 
 
-def run(spec: AggregateSpec, scores: StageRef, store: RunStore) -> StageRef:
-    return plan(spec, scores, store).run(lambda loc: _aggregate(spec, scores, store, loc))
+def run(stage: AggregationInput) -> StageRef:
+    """Reduce the scores to top-k, argmax and totals, or return the stored reduction."""
+    return stage.call.run(lambda loc: _aggregate(stage.spec, stage.scores, stage.store, loc))

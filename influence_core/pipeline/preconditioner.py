@@ -24,15 +24,26 @@ from .refs import DataRef, ModelRef, StageRef
 from .specs import ComputeSpec, MethodSpec, ModelSpec
 from .threads import TASK_THREADS, torch_threads
 from .loading import load_model, open_data, save_tensors, train_batches
-from .stage import StageCall, StageLocation
+from .stage import StageCall, StageInput, StageLocation
 from .run_store import RunStore
 
 FACTOR_ROWS = 4096  # training rows per factor task
 
 
-def plan(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec) -> StageCall[StageRef]:
-    """The curvature depends on method, model, data and the torch threads of this process; not on the cluster."""
-    return StageCall("fit_preconditioner", StageRef, {"method": method.model_dump(mode="json")}, {"model": model, "data": data}, store, compute.torch_threads)
+@dataclass(frozen=True)
+class PreconditionerInput(StageInput[StageRef]):
+    """The method, the trained model, the data, and the compute spec (its cluster runs K-FAC's factor passes)."""
+
+    method: MethodSpec
+    model: ModelRef
+    data: DataRef
+    store: RunStore
+    compute: ComputeSpec
+
+    def plan(self) -> StageCall[StageRef]:
+        """The curvature depends on method, model, data and the torch threads of this process; not on the cluster."""
+        inputs = {"model": self.model, "data": self.data}
+        return StageCall("fit_preconditioner", StageRef, {"method": self.method.model_dump(mode="json")}, inputs, self.store, self.compute.torch_threads)
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,8 @@ def check_method(method: MethodSpec, model: ModelSpec, data: DataRef) -> None:
     method.build(build_model(model, data), model.loss)
 
 
-def _fit(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, client_factory: Callable[[], Any], loc: StageLocation) -> dict[str, Any]:
+def _fit(stage: PreconditionerInput, client_factory: Callable[[], Any], loc: StageLocation) -> dict[str, Any]:
+    method, model, data, store = stage.method, stage.model, stage.data, stage.store
     im = method.build(load_model(model, store.options), ModelSpec.model_validate(model.spec).make_task())
     batches = train_batches(data, store.options, method.batch_size)
     if isinstance(im, KfacInfluence):
@@ -110,7 +122,7 @@ def _fit(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, cl
     return {"url": url, "fingerprint": loc.key, "shape": (im.objective.space.dim,), "dtype": model.dtype, "work": im.work.as_dict(), "parameters": im.attributed_parameters()}
 
 
-def run(method: MethodSpec, model: ModelRef, data: DataRef, store: RunStore, compute: ComputeSpec, client_factory: Callable[[], Any]) -> StageRef:
+def run(stage: PreconditionerInput, client_factory: Callable[[], Any]) -> StageRef:
     """Fit and store the curvature; `client_factory()` (a context manager yielding a Dask client or None) is used
     for the methods whose passes split into blocks."""
-    return plan(method, model, data, store, compute).run(lambda loc: _fit(method, model, data, store, client_factory, loc))
+    return stage.call.run(lambda loc: _fit(stage, client_factory, loc))

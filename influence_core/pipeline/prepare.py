@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from . import storage
 from .data import open_source, write_dataset
 from .refs import DataRef
 from .specs import DatasetSpec, NpyDataset, NpzDataset, ZarrDataset
-from .stage import StageCall
+from .stage import StageCall, StageInput
 from .run_store import RunStore
 
 
 FILE_SOURCES = (NpzDataset, NpyDataset, ZarrDataset)
 
 
-def plan(spec: DatasetSpec, store: RunStore) -> StageCall[DataRef]:
-    config = spec.key_config()
-    if isinstance(spec, FILE_SOURCES):  # replaced files must not hit the cache of the old ones
-        config["path_stat"] = storage.stat_token(storage.validate_url(spec.path or "", "dataset.path"), store.options)
-    return StageCall("prepare_data", DataRef, config, {}, store)
+@dataclass(frozen=True)
+class PrepareInput(StageInput[DataRef]):
+    """The dataset spec and where the run writes."""
+
+    spec: DatasetSpec
+    store: RunStore
+
+    def plan(self) -> StageCall[DataRef]:
+        config = self.spec.key_config()
+        if isinstance(self.spec, FILE_SOURCES):  # replaced files must not hit the cache of the old ones
+            config["path_stat"] = storage.stat_token(storage.validate_url(self.spec.path or "", "dataset.path"), self.store.options)
+        return StageCall("prepare_data", DataRef, config, {}, self.store)
 
 
-def run(spec: DatasetSpec, store: RunStore) -> DataRef:
-    return plan(spec, store).run(lambda loc: write_dataset(open_source(spec, store.options), loc.path("data.zarr"), store.options, spec.chunk_rows))
+def run(stage: PrepareInput) -> DataRef:
+    """Write the dataset's arrays, or return the stored ones."""
+    spec, options = stage.spec, stage.store.options
+    return stage.call.run(lambda loc: write_dataset(open_source(spec, options), loc.path("data.zarr"), options, spec.chunk_rows))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,19 +16,32 @@ from . import storage
 from ..methods import LissaInfluence
 from ..reduction import summed_tasks
 from .refs import DataRef, ModelRef, StageRef
-from .specs import MethodSpec
+from .specs import ComputeSpec, MethodSpec
 from .threads import TASK_THREADS, torch_threads
 from ..work import Work
 from .loading import load_influence_model, open_data
-from .stage import StageCall, StageLocation
+from .stage import StageCall, StageInput, StageLocation
 from .run_store import RunStore
 
 
-def plan(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, store: RunStore, threads: int) -> StageCall[StageRef]:
-    """The stage's key; where LiSSA's repeats run (compute) is not part of it: every cluster kind gives the same bits."""
-    # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
-    inputs = {"model": model, "data": data, "curvature": preconditioner}
-    return StageCall("compute_test_factors", StageRef, {"method": method.model_dump(mode="json")}, inputs, store, threads)
+@dataclass(frozen=True)
+class QueryFactorsInput(StageInput[StageRef]):
+    """The method and its fitted curvature, the model, the data, the torch threads, and where LiSSA's repeats run
+    (`compute`'s cluster; None: here)."""
+
+    method: MethodSpec
+    model: ModelRef
+    data: DataRef
+    preconditioner: StageRef
+    store: RunStore
+    threads: int
+    compute: ComputeSpec | None = None
+
+    def plan(self) -> StageCall[StageRef]:
+        """The stage's key; where LiSSA's repeats run (compute) is not part of it: every cluster kind gives the same bits."""
+        # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
+        inputs = {"model": self.model, "data": self.data, "curvature": self.preconditioner}
+        return StageCall("compute_test_factors", StageRef, {"method": self.method.model_dump(mode="json")}, inputs, self.store, self.threads)
 
 
 FACTOR_CHUNK_BYTES = 16 * 2**20  # stored chunks of query rows: small enough that writer and readers reuse their buffers
@@ -72,7 +86,8 @@ def _lissa_dense(method: MethodSpec, model: ModelRef, data: DataRef, preconditio
     return total, Work(**counted)
 
 
-def _compute(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, store: RunStore, loc: StageLocation, client_factory: Callable[[], Any] | None) -> dict[str, Any]:
+def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Callable[[], Any] | None) -> dict[str, Any]:
+    method, model, data, preconditioner, store = stage.method, stage.model, stage.data, stage.preconditioner, stage.store
     im = load_influence_model(method, model, data, preconditioner, store.options)
     arrays = open_data(data, store.options)
     x_test, y_test = arrays["x_test"], arrays["y_test"]
@@ -109,7 +124,7 @@ def _compute(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner:
     return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype), "work": work.as_dict()}
 
 
-def run(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, store: RunStore, threads: int, client_factory: Callable[[], Any] | None = None) -> StageRef:
-    """Solve for the query factors with `threads` torch threads, or return the stored ones. LiSSA's repeats run as
-    tasks on the cluster of `client_factory()` (a context manager yielding a Dask client or None), else here."""
-    return plan(method, model, data, preconditioner, store, threads).run(lambda loc: _compute(method, model, data, preconditioner, store, loc, client_factory))
+def run(stage: QueryFactorsInput, client_factory: Callable[[], Any] | None = None) -> StageRef:
+    """Solve for the query factors with `stage.threads` torch threads, or return the stored ones. LiSSA's repeats
+    run as tasks on the cluster of `client_factory()` (a context manager yielding a Dask client or None), else here."""
+    return stage.call.run(lambda loc: _compute(stage, loc, client_factory))

@@ -14,9 +14,11 @@ import json
 import os
 import socket
 import time
+from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from datetime import datetime, timezone
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Generic, TypeVar
 
 import zarr
@@ -132,7 +134,8 @@ def output_intact(ref: Ref, recorded: dict[str, Any], options: dict[str, Any]) -
 
 @dataclass(frozen=True)
 class StageCall(Generic[R]):
-    """One stage applied to its inputs: enough to find its output, or to compute it."""
+    """One stage applied to its inputs: enough to find its output, or to compute it. Its key is computed and its
+    manifest read once, however often they are asked for."""
 
     stage: str
     ref_type: type[R]
@@ -142,18 +145,23 @@ class StageCall(Generic[R]):
     threads: int | None = None  # torch threads the stage computes with (None: it runs no torch arithmetic here)
     output_bytes: int | None = None  # what the stage writes, when known beforehand (the scores): named when the disk is full
 
-    @property
+    @cached_property
     def key(self) -> str:
         pinned = {} if self.threads is None else {"torch_threads": self.threads}
         return stage_key(self.stage, {**self.config, **pinned}, self.inputs)  # never where the output lives: a moved output keeps its keys
 
-    @property
+    @cached_property
     def location(self) -> StageLocation:
         return StageLocation(self.store, self.stage, self.key)
 
-    def existing(self) -> R | None:
-        """The stored output when complete and intact; the store is the truth, not any cache in front of it."""
-        return self.location.read(self.ref_type)
+    def existing(self, recheck: bool = False) -> R | None:
+        """The stored output when complete and intact; the store is the truth, not any cache in front of it. Read
+        once: the flow's check and the stage's run share the answer; `recheck` reads again (another run may have
+        written the output since)."""
+        if recheck or "found" not in self.__dict__:
+            self.__dict__["found"] = self.location.read(self.ref_type)  # frozen fields; the answer is a cache beside them
+        found: R | None = self.__dict__["found"]
+        return found
 
     def run(self, compute: Callable[[StageLocation], dict[str, Any]]) -> R:
         """Return the stored output if complete; else compute it and write the manifest last.
@@ -171,3 +179,16 @@ class StageCall(Generic[R]):
         ref = self.ref_type(stage=self.stage, created_at=datetime.now(timezone.utc), seconds=time.perf_counter() - start, producer=producer(), **fields)
         location.write(ref, self.config, self.inputs)
         return ref
+
+
+class StageInput(ABC, Generic[R]):
+    """Everything one stage is given (its specs, its input refs and the RunStore), as one frozen dataclass that
+    travels from the flow to its task, the stage and its jobs; it plans the stage's call once."""
+
+    @abstractmethod
+    def plan(self) -> StageCall[R]:
+        """The stage's call: its key's config and input refs."""
+
+    @cached_property
+    def call(self) -> StageCall[R]:
+        return self.plan()

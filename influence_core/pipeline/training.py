@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,20 +12,31 @@ from .models import build_model, checkpoint_stamp, check_model_fits, load_into, 
 from .refs import DataRef, ModelRef
 from .specs import ModelSpec, TrainingSpec
 from .loading import open_data
-from .stage import StageCall, StageLocation
+from .stage import StageCall, StageInput, StageLocation
 from .run_store import RunStore
 
 
-def plan(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, threads: int) -> StageCall[ModelRef]:
-    config: dict[str, Any] = {"model": spec.model_dump(mode="json")}
-    if spec.checkpoint:
-        config["checkpoint_stat"] = checkpoint_stamp(spec.checkpoint, store.options)
-    else:
-        config["training"] = training.model_dump(mode="json")
-    return StageCall("fit_model", ModelRef, config, {"data": data}, store, threads)
+@dataclass(frozen=True)
+class TrainingInput(StageInput[ModelRef]):
+    """The model and training specs, the data, and the torch threads the fit runs with."""
+
+    spec: ModelSpec
+    training: TrainingSpec
+    data: DataRef
+    store: RunStore
+    threads: int
+
+    def plan(self) -> StageCall[ModelRef]:
+        config: dict[str, Any] = {"model": self.spec.model_dump(mode="json")}
+        if self.spec.checkpoint:
+            config["checkpoint_stat"] = checkpoint_stamp(self.spec.checkpoint, self.store.options)
+        else:
+            config["training"] = self.training.model_dump(mode="json")
+        return StageCall("fit_model", ModelRef, config, {"data": self.data}, self.store, self.threads)
 
 
-def _fit(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
+def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
+    spec, training, data, store = stage.spec, stage.training, stage.data, stage.store
     arrays = open_data(data, store.options)
     with torch.random.fork_rng():
         torch.manual_seed(training.seed)  # initialisation and dropout masks are part of the seeded, reproducible fit
@@ -50,6 +62,6 @@ def _fit(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore
     }
 
 
-def run(spec: ModelSpec, training: TrainingSpec, data: DataRef, store: RunStore, threads: int) -> ModelRef:
-    """Train (or load) the model with `threads` torch threads, or return the stored one."""
-    return plan(spec, training, data, store, threads).run(lambda loc: _fit(spec, training, data, store, loc))
+def run(stage: TrainingInput) -> ModelRef:
+    """Train (or load) the model with `stage.threads` torch threads, or return the stored one."""
+    return stage.call.run(lambda loc: _fit(stage, loc))

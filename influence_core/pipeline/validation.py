@@ -21,10 +21,10 @@ from ..lds import linear_datamodeling_score
 from .models import build_model, train
 from ..objective import Objective
 from .refs import DataRef, ModelRef, StageRef, ValidationRef
-from .specs import ModelSpec, TrainingSpec, ValidationSpec
+from .specs import ComputeSpec, ModelSpec, TrainingSpec, ValidationSpec
 from .threads import torch_threads
 from .loading import open_data
-from .stage import StageCall, StageLocation
+from .stage import StageCall, StageInput, StageLocation
 from .run_store import RunStore
 
 Progress = Callable[[int, int], None]
@@ -134,17 +134,27 @@ def _finite(value: float) -> float | None:
     return float(value) if np.isfinite(value) else None
 
 
-def plan(spec: ValidationSpec, model_spec: ModelSpec, training: TrainingSpec, data: DataRef, model: ModelRef, scores: StageRef, store: RunStore, threads: int) -> StageCall[ValidationRef]:
-    config = {"validate": spec.model_dump(mode="json"), "model": model_spec.model_dump(mode="json"), "training": training.model_dump(mode="json")}
-    return StageCall("validate", ValidationRef, config, {"data": data, "model": model, "scores": scores}, store, threads)
+@dataclass(frozen=True)
+class ValidationInput(StageInput[ValidationRef]):
+    """The validation spec, the run's recipe (model and training specs), its data, model and scores, and the compute
+    spec: its cluster runs the retrainings, each with its torch threads."""
+
+    spec: ValidationSpec
+    model_spec: ModelSpec
+    training: TrainingSpec
+    data: DataRef
+    model: ModelRef
+    scores: StageRef
+    store: RunStore
+    compute: ComputeSpec
+
+    def plan(self) -> StageCall[ValidationRef]:
+        config = {"validate": self.spec.model_dump(mode="json"), "model": self.model_spec.model_dump(mode="json"), "training": self.training.model_dump(mode="json")}
+        return StageCall("validate", ValidationRef, config, {"data": self.data, "model": self.model, "scores": self.scores}, self.store, self.compute.torch_threads)
 
 
-def run(
-    spec: ValidationSpec, model_spec: ModelSpec, training: TrainingSpec, data: DataRef, model: ModelRef, scores: StageRef, store: RunStore, threads: int,
-    client_factory: Callable[[], Any], on_progress: Progress | None = None,
-) -> ValidationRef:
+def run(stage: ValidationInput, client_factory: Callable[[], Any], on_progress: Progress | None = None) -> ValidationRef:
     """The run's LDS over `spec.subsets` retrainings; `client_factory()` is a context manager yielding a Dask client or None."""
-    check_validate(spec, model_spec)
-    call = plan(spec, model_spec, training, data, model, scores, store, threads)
-    job = ValidationJob(spec, model_spec, training, data, store.options, call.location.url, threads)
-    return call.run(lambda loc: _validate(job, scores, store, client_factory, on_progress, loc))
+    check_validate(stage.spec, stage.model_spec)
+    job = ValidationJob(stage.spec, stage.model_spec, stage.training, stage.data, stage.store.options, stage.call.location.url, stage.compute.torch_threads)
+    return stage.call.run(lambda loc: _validate(job, stage.scores, stage.store, client_factory, on_progress, loc))

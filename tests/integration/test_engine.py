@@ -20,9 +20,11 @@ from distributed import Client, LocalCluster
 
 from influence_core import ConfigError
 from influence_core.pipeline import preconditioner, prepare, query_factors, scoring, storage, training
+from influence_core.pipeline.chunks import chunk_task
 from influence_core.pipeline.cluster import dask_client, shared_clusters
 from influence_core.pipeline.layout import score_layout
 from influence_core.pipeline.loading import open_data
+from influence_core.pipeline.score_input import ScoringInput
 from influence_core.pipeline.specs import ComputeSpec
 from tests.helpers import read_outputs, small_params
 
@@ -44,17 +46,17 @@ def slow_params(output_url: str, cluster: str = "sequential", **extra):
 
 def upstream(params):
     store = params.store()
-    data = prepare.run(params.dataset, store)
+    data = prepare.run(prepare.PrepareInput(params.dataset, store))
     threads = params.compute.torch_threads
-    model = training.run(params.model, params.training, data, store, threads)
-    curvature = preconditioner.run(params.method, model, data, store, params.compute, lambda: dask_client(params.compute, False))
-    return store, data, model, curvature, query_factors.run(params.method, model, data, curvature, store, threads)
+    model = training.run(training.TrainingInput(params.model, params.training, data, store, threads))
+    curvature = preconditioner.run(preconditioner.PreconditionerInput(params.method, model, data, store, params.compute), lambda: dask_client(params.compute, False))
+    return store, data, model, curvature, query_factors.run(query_factors.QueryFactorsInput(params.method, model, data, curvature, store, threads))
 
 
 def score(params, client_factory=None):
     store, data, model, curvature, facts = upstream(params)
     factory = client_factory or (lambda: dask_client(params.compute, False))
-    return scoring.run(params.compute, params.method, params.aggregate, model, data, curvature, facts, store, factory), store
+    return scoring.run(ScoringInput(params.compute, params.method, params.aggregate, model, data, curvature, facts, store), factory), store
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +83,8 @@ def test_every_cluster_kind_gives_identical_scores(reference, dask_address, tmp_
 def test_tasks_carry_refs_not_training_data(reference):
     params, _, _ = reference
     store, data, model, curvature, facts = upstream(params)
-    call = scoring.plan(params.compute, params.method, params.aggregate, model, data, curvature, facts, store)
-    job = scoring.make_job(call, params.compute, data, params.method, model, curvature, facts, store)
-    payload = cloudpickle.dumps((scoring.score_chunk, job, 3))
+    job = scoring.ScoreJob(ScoringInput(params.compute, params.method, params.aggregate, model, data, curvature, facts, store))
+    payload = cloudpickle.dumps((chunk_task, job, 3))
     x_train = np.asarray(open_data(data, store.options)["x_train"][...])
     assert len(payload) < 16_000 < x_train.nbytes
     assert all(row.tobytes() not in payload for row in x_train[:100])

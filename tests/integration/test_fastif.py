@@ -106,7 +106,8 @@ def test_parallel_lissa_repeats_give_the_same_factors_on_any_cluster(tmp_path, d
     assert isinstance(model_ref, ModelRef) and isinstance(data_ref, DataRef)
     elsewhere = RunStore(output_url=str(tmp_path / "other"))  # a fresh stage cache: computed again, on the cluster
     on_cluster = ComputeSpec(cluster="address", address=dask_address)
-    ref = query_factors.run(params.method, model_ref, data_ref, curvature, elsewhere, params.compute.torch_threads, client_factory=lambda: dask_client(on_cluster, False))
+    stage = query_factors.QueryFactorsInput(params.method, model_ref, data_ref, curvature, elsewhere, params.compute.torch_threads)
+    ref = query_factors.run(stage, client_factory=lambda: dask_client(on_cluster, False))
     np.testing.assert_array_equal(np.asarray(storage.open_array(ref.url, {})[...]), sequential)
     model, data = stored_model_and_data(params.store(), group)
     im = params.method.build(model, "cross_entropy").fit((data["x_train"], data["y_train"]))

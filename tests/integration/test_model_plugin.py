@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from influence_core import ConfigError, DirectInfluence
 from influence_core.pipeline.cluster import dask_client
 from influence_core.pipeline import preconditioner, prepare, query_factors, scoring, training
+from influence_core.pipeline.score_input import ScoringInput
 from influence_core.task import Classification
 from influence_core.pipeline.loading import load_model, open_data
 from tests.helpers import read_outputs, small_params
@@ -26,11 +27,11 @@ def run_stages(params):  # type: ignore[no-untyped-def]
     """Every stage of a run, on the sequential cluster; returns the store and the model and data refs."""
     store, threads = params.store(), params.compute.torch_threads
     client = lambda: dask_client(params.compute, False)  # noqa: E731
-    data = prepare.run(params.dataset, store)
-    model = training.run(params.model, params.training, data, store, threads)
-    curvature = preconditioner.run(params.method, model, data, store, params.compute, client)
-    facts = query_factors.run(params.method, model, data, curvature, store, threads)
-    scoring.run(params.compute, params.method, params.aggregate, model, data, curvature, facts, store, client)
+    data = prepare.run(prepare.PrepareInput(params.dataset, store))
+    model = training.run(training.TrainingInput(params.model, params.training, data, store, threads))
+    curvature = preconditioner.run(preconditioner.PreconditionerInput(params.method, model, data, store, params.compute), client)
+    facts = query_factors.run(query_factors.QueryFactorsInput(params.method, model, data, curvature, store, threads))
+    scoring.run(ScoringInput(params.compute, params.method, params.aggregate, model, data, curvature, facts, store), client)
     return store, model, data
 
 
@@ -83,18 +84,18 @@ def test_factory_model_that_does_not_fit_is_refused_before_training(tmp_path, op
     training step, naming model.options; nothing of the stage is written as complete."""
     params = small_params(str(tmp_path / "run"), model={"factory": FACTORY, "options": options}, training={"epochs": 500})
     store = params.store()
-    data = prepare.run(params.dataset, store)
+    data = prepare.run(prepare.PrepareInput(params.dataset, store))
     with pytest.raises(ConfigError) as info:
-        training.run(params.model, params.training, data, store, 1)
+        training.run(training.TrainingInput(params.model, params.training, data, store, 1))
     assert info.value.field == field and all(w in str(info.value) for w in words), str(info.value)
 
 
 def test_unimportable_factory_names_the_field(tmp_path):
     params = small_params(str(tmp_path / "run"), model={"factory": "tests.no_such_module:make"})
     store = params.store()
-    data = prepare.run(params.dataset, store)
+    data = prepare.run(prepare.PrepareInput(params.dataset, store))
     with pytest.raises(ConfigError, match=r"^model.factory: cannot load 'tests.no_such_module:make'"):
-        training.run(params.model, params.training, data, store, 1)
+        training.run(training.TrainingInput(params.model, params.training, data, store, 1))
 
 
 def test_builtin_cnn_on_images_equals_the_library(tmp_path):

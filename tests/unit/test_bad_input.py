@@ -52,9 +52,9 @@ def test_top_k_above_n_train_is_refused():
 
 def test_model_output_not_fitting_labels(tmp_path):
     store = RunStore(output_url=str(tmp_path))
-    data = prepare.run(DigitsDataset(n_train=50, n_test=5), store)
+    data = prepare.run(prepare.PrepareInput(DigitsDataset(n_train=50, n_test=5), store))
     with pytest.raises(ConfigError, match=r"model.output_dim: the model emits 5 columns but the labels go up to 9.*10 outputs"):
-        training.run(ModelSpec(hidden=[4], output_dim=5), TrainingSpec(epochs=1), data, store, threads=1)
+        training.run(training.TrainingInput(ModelSpec(hidden=[4], output_dim=5), TrainingSpec(epochs=1), data, store, threads=1))
     assert not list((tmp_path / "stages" / "fit_model").glob("*/manifest.json"))  # nothing half-done looks complete
 
 

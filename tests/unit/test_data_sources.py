@@ -30,7 +30,7 @@ def test_npy_directory_with_random_hold_out(tmp_path, xy):
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", y)
     store = RunStore(output_url=str(tmp_path / "out"))
-    ref = prepare.run(NpyDataset(path=str(tmp_path), n_test=30, chunk_rows=16), store)
+    ref = prepare.run(prepare.PrepareInput(NpyDataset(path=str(tmp_path), n_test=30, chunk_rows=16), store))
     got = arrays_of(ref, store)
     held_out = np.sort(np.random.default_rng(0).choice(200, 30, replace=False))
     keep = np.setdiff1d(np.arange(200), held_out)
@@ -46,7 +46,7 @@ def test_n_train_caps_the_streamed_training_rows(tmp_path, xy):
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", y)
     store = RunStore(output_url=str(tmp_path / "out"))
-    ref = prepare.run(NpyDataset(path=str(tmp_path), n_test=30, n_train=50, chunk_rows=16), store)
+    ref = prepare.run(prepare.PrepareInput(NpyDataset(path=str(tmp_path), n_test=30, n_train=50, chunk_rows=16), store))
     keep = np.setdiff1d(np.arange(200), np.sort(np.random.default_rng(0).choice(200, 30, replace=False)))[:50]
     np.testing.assert_array_equal(arrays_of(ref, store)["x_train"], x[keep])
 
@@ -54,10 +54,10 @@ def test_n_train_caps_the_streamed_training_rows(tmp_path, xy):
 def test_fingerprint_is_content_not_chunking(tmp_path, xy):
     x, y = xy
     np.savez(tmp_path / "d.npz", x_train=x[:150], y_train=y[:150], x_test=x[150:], y_test=y[150:])
-    refs = [prepare.run(NpzDataset(path=str(tmp_path / "d.npz"), chunk_rows=c), RunStore(output_url=str(tmp_path / f"o{c}"))) for c in (7, 64)]
+    refs = [prepare.run(prepare.PrepareInput(NpzDataset(path=str(tmp_path / "d.npz"), chunk_rows=c), RunStore(output_url=str(tmp_path / f"o{c}")))) for c in (7, 64)]
     assert refs[0].fingerprint == refs[1].fingerprint
     np.savez(tmp_path / "d.npz", x_train=x[:150] + 1, y_train=y[:150], x_test=x[150:], y_test=y[150:])
-    changed = prepare.run(NpzDataset(path=str(tmp_path / "d.npz"), chunk_rows=7), RunStore(output_url=str(tmp_path / "o7")))
+    changed = prepare.run(prepare.PrepareInput(NpzDataset(path=str(tmp_path / "d.npz"), chunk_rows=7), RunStore(output_url=str(tmp_path / "o7"))))
     assert changed.fingerprint != refs[0].fingerprint  # a replaced file is read again, not served from the cache
 
 
@@ -68,7 +68,7 @@ def test_zarr_group_on_s3(tmp_path, s3_endpoint, s3_bucket, xy):
     for name, values in {"x_train": x[:150], "y_train": y[:150], "x_test": x[150:], "y_test": y[150:]}.items():
         group.create_array(name, data=values, chunks=(25, *values.shape[1:]))
     store = RunStore(output_url=f"s3://{s3_bucket}/run", storage=StorageSpec(endpoint_url=s3_endpoint))
-    ref = prepare.run(ZarrDataset(path=f"s3://{s3_bucket}/source.zarr"), store)
+    ref = prepare.run(prepare.PrepareInput(ZarrDataset(path=f"s3://{s3_bucket}/source.zarr"), store))
     got = arrays_of(ref, store)
     np.testing.assert_array_equal(got["x_train"], x[:150])
     np.testing.assert_array_equal(got["y_test"], y[150:])
@@ -78,7 +78,7 @@ def test_zarr_group_on_s3(tmp_path, s3_endpoint, s3_bucket, xy):
 @pytest.mark.parametrize("factory", ["tests.datasets:blobs", "tests.datasets:blobs_split"])
 def test_torch_dataset_factory(tmp_path, factory):
     store = RunStore(output_url=str(tmp_path))
-    ref = prepare.run(TorchFactoryDataset(path=factory, test_fraction=1 / 6, chunk_rows=32), store)
+    ref = prepare.run(prepare.PrepareInput(TorchFactoryDataset(path=factory, test_fraction=1 / 6, chunk_rows=32), store))
     got = arrays_of(ref, store)
     full = blobs()
     assert ref.n_train == 100 and ref.n_test == 20 and ref.n_classes == 3
@@ -105,7 +105,7 @@ def test_prepare_streams_without_loading_the_source(tmp_path):
     del x
     store = RunStore(output_url=str(tmp_path / "out"))
     tracemalloc.start()
-    ref = prepare.run(NpyDataset(path=str(tmp_path), n_test=100, chunk_rows=2048), store)
+    ref = prepare.run(prepare.PrepareInput(NpyDataset(path=str(tmp_path), n_test=100, chunk_rows=2048), store))
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert ref.n_train == rows - 100
@@ -121,5 +121,5 @@ def test_prepare_data_key_hashes_the_flat_spec(tmp_path):
     from influence_core.pipeline.specs import DigitsDataset
 
     flat = {"source": "digits", "path": None, "n_train": 50, "n_test": None, "test_fraction": 0.2, "n_features": 20, "n_classes": 2, "noise": 0.1, "seed": 0, "chunk_rows": 4096}
-    call = prepare.plan(DigitsDataset(n_train=50), RunStore(output_url=str(tmp_path)))
+    call = prepare.PrepareInput(DigitsDataset(n_train=50), RunStore(output_url=str(tmp_path))).call
     assert call.key == stage_key("prepare_data", flat, {})

@@ -33,8 +33,8 @@ def test_block_sums_added_on_the_cluster_equal_those_added_here(tmp_path, dask_a
     monkeypatch.setattr(preconditioner, "FACTOR_ROWS", 64)
     params = small_params(str(tmp_path / "run"), dataset={"n_train": 600, "n_test": 8, "chunk_rows": 128}, method={"name": "ekfac", "regularization": 1e-3, "fisher": "sampled"})
     store = params.store()
-    data = prepare.run(params.dataset, store)
-    model = training.run(params.model, params.training, data, store, 1)
+    data = prepare.run(prepare.PrepareInput(params.dataset, store))
+    model = training.run(training.TrainingInput(params.model, params.training, data, store, 1))
     assert len(preconditioner.factor_blocks(data.n_train)) == 10
     job = preconditioner.FactorJob(params.method, model, data, store.options)
     here = preconditioner.kronecker_factors(job.influence_model(), job, None)

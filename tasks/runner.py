@@ -1,0 +1,41 @@
+"""Calling stage tasks from the flow: one input each, checked once against the store, outcomes recorded."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+from prefect.tasks import Task
+
+from influence_core.pipeline.refs import StageRef
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.stage import StageInput, producer
+
+R = TypeVar("R", bound=StageRef)
+
+
+class StageRunner:
+    """Calls stage tasks, bypassing Prefect's cache when the store no longer holds the output, and records outcomes."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+        self.started = datetime.now(timezone.utc)
+        self.refs: dict[str, StageRef] = {}
+        self.outcomes: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, stage: Task[..., R], stage_input: StageInput[R]) -> R:
+        """Run `stage` on its input. The input's call reads the manifest here, once; the task's body shares the answer."""
+        present = stage_input.call.existing() is not None
+        wall = time.perf_counter()
+        state = stage.with_options(refresh_cache=not present)(stage_input, return_state=True)
+        ref: R = state.result().moved(self.store.resolve)  # stored relative to the output's root, which may have moved
+        if state.name == "Cached":
+            outcome = "cached"
+        else:
+            mine = ref.producer == producer() and ref.created_at >= self.started  # not a concurrent run's work
+            outcome = "computed" if mine else "found complete"
+        self.refs[stage.name] = ref
+        work = ref.model_dump(include={"work", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters"})  # what the stage did
+        self.outcomes[stage.name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
+        return ref
