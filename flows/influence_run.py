@@ -9,17 +9,10 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
-from influence_core.pipeline.cluster import shared_clusters
-from influence_core.pipeline import publish
-from influence_core.pipeline.aggregation import check_top_k
-from influence_core.pipeline.candidate_scoring import check_knn_k
-from influence_core.pipeline.preconditioner import check_method
-from influence_core.pipeline.preflight import preflight
-from influence_core.pipeline.runlock import exclusive_run
-from influence_core.pipeline.scoring import space_warning
 from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data, validate_run
+from tasks.guards import begin_output, check_data, check_run, run_session
 from tasks.publish import publish_run
 from tasks.runner import StageRunner
 from tasks.stages import AggregationInput, PreconditionerInput, PrepareInput, QueryFactorsInput, ScoringInput, TrainingInput, ValidationInput
@@ -61,10 +54,9 @@ def influence_run(
         aggregate=aggregate, candidates=candidates, validation=validation, storage=storage, overwrite=overwrite,
     )
     store = params.store()
-    preflight(store, params.compute, params.model)  # seconds, before any stage computes or anything is written
     fingerprint = params.run_fingerprint()
-    publish.check_owner(store, fingerprint, params.overwrite)  # refused at once, before waiting or computing
-    with exclusive_run(store, on_wait=get_run_logger().warning), shared_clusters():  # one cluster serves every stage
+    check_run(store, params.compute, params.model, fingerprint, params.overwrite)  # refused at once, before waiting or computing
+    with run_session(store, on_wait=get_run_logger().warning):
         return _stages(params, store, fingerprint)
 
 
@@ -72,15 +64,12 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     """The six stages, the optional validation and the closing publish, under the output's run lock."""
     run = StageRunner(store)
     data = run(prepare_data, PrepareInput(params.dataset, store))
-    check_top_k(params.aggregate, data.n_train)
-    check_knn_k(params.candidates, data.n_train)
-    check_method(params.method, params.model, data)
+    check_data(data, params.aggregate, params.candidates, params.method, params.model)
     compute, threads = params.compute, params.compute.torch_threads
     model = run(fit_model, TrainingInput(params.model, params.training, data, store, threads))
     preconditioner = run(fit_preconditioner, PreconditionerInput(params.method, model, data, store, compute))
     factors = run(compute_test_factors, QueryFactorsInput(params.method, model, data, preconditioner, store, threads, compute))
-    publish.begin_run(store, fingerprint, params.overwrite)  # only now is influence.zarr touched: bad input found earlier leaves it as it was
-    short = space_warning(store, data, params.aggregate)
+    short = begin_output(store, fingerprint, params.overwrite, data, params.aggregate)
     if short:
         get_run_logger().warning(short)
     scores = run(compute_influences, ScoringInput(compute, params.method, params.aggregate, model, data, preconditioner, factors, store, params.candidates))

@@ -1,0 +1,47 @@
+"""The flow's plain helpers around its stages: cheap checks before computing, the run's lock and cluster session,
+and the claim on the output. Plain functions, not tasks: they compute nothing worth caching or retrying."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from influence_core.pipeline import publish
+from influence_core.pipeline.aggregation import check_top_k
+from influence_core.pipeline.candidate_scoring import check_knn_k
+from influence_core.pipeline.cluster import shared_clusters
+from influence_core.pipeline.preconditioner import check_method
+from influence_core.pipeline.preflight import preflight
+from influence_core.pipeline.refs import DataRef
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.runlock import exclusive_run
+from influence_core.pipeline.scoring import space_warning
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec, ModelSpec
+
+
+def check_run(store: RunStore, compute: ComputeSpec, model: ModelSpec, fingerprint: str, overwrite: bool) -> None:
+    """In seconds, before any stage computes or anything is written: output, cache and scheduler reachable, checkpoint
+    present, and the output this run's to write (or `overwrite`)."""
+    preflight(store, compute, model)
+    publish.check_owner(store, fingerprint, overwrite)
+
+
+@contextmanager
+def run_session(store: RunStore, on_wait: Callable[[str], None]) -> Iterator[None]:
+    """The output's run lock (`on_wait` told once when another run holds it) and one cluster for every stage."""
+    with exclusive_run(store, on_wait=on_wait), shared_clusters():
+        yield
+
+
+def check_data(data: DataRef, aggregate: AggregateSpec, candidates: CandidatesSpec, method: MethodSpec, model: ModelSpec) -> None:
+    """Once the data's sizes are known, before training: top_k and knn_k fit the training set, the method fits the model."""
+    check_top_k(aggregate, data.n_train)
+    check_knn_k(candidates, data.n_train)
+    check_method(method, model, data)
+
+
+def begin_output(store: RunStore, fingerprint: str, overwrite: bool, data: DataRef, aggregate: AggregateSpec) -> str | None:
+    """Claim influence.zarr for this run (only now is it touched: bad input found earlier leaves it as it was); a
+    warning when its disk cannot hold the scores."""
+    publish.begin_run(store, fingerprint, overwrite)
+    return space_warning(store, data, aggregate)
