@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 import psutil
-from prefect import Task
+from prefect import Task, task as prefect_task
 from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
@@ -25,6 +25,7 @@ from influence_core.pipeline.stage import StageInput
 from influence_core.pipeline.refs import StageRef
 
 R = TypeVar("R", bound=StageRef)
+S = TypeVar("S", bound=StageInput[Any])
 
 
 @dataclass
@@ -86,20 +87,26 @@ def stage_policy() -> CachePolicy:
     return StagePolicy().configure(isolation_level="SERIALIZABLE", lock_manager=CrashSafeLockManager(lock_dir))
 
 
-def stage_body(stage_fn: Callable[[Any], R]) -> Callable[[Any], R]:
-    """A stage task's body around its one input. The flow's existence check already read the manifest; it is read
-    again only when the stage's lock was taken after another run held it (that run may have written the output).
-    The ref comes back with URLs relative to the output's root: Prefect persists it beside the outputs, which may be
-    moved or copied elsewhere; the flow resolves it against the output where it is now (`RunStore.resolve`)."""
+def stage_task(name: str) -> Callable[[Callable[[S], R]], Task[[S], R]]:
+    """A stage's Prefect task around a body taking the stage's one input, with the stage cache policy and options.
 
-    @functools.wraps(stage_fn)
-    def body(stage: StageInput[R]) -> R:
-        call = stage.call
-        if waited(call.key):
-            call.existing(recheck=True)
-        return stage_fn(stage).moved(call.store.relative)
+    The flow's existence check already read the manifest; the body reads it again only when the stage's lock was
+    taken after another run held it (that run may have written the output). The ref comes back with URLs relative
+    to the output's root: Prefect persists it beside the outputs, which may be moved or copied elsewhere; the flow
+    resolves it against the output where it is now (`RunStore.resolve`)."""
 
-    return body
+    def make(stage_fn: Callable[[S], R]) -> Task[[S], R]:
+        @functools.wraps(stage_fn)
+        def body(stage: S) -> R:
+            call = stage.call
+            if waited(call.key):
+                call.existing(recheck=True)
+            return stage_fn(stage).moved(call.store.relative)
+
+        body.__name__ = body.__qualname__ = name  # Prefect's task key: unique although several bodies are an engine's `run`
+        return prefect_task(name=name, cache_policy=stage_policy(), **STAGE_OPTIONS)(body)
+
+    return make
 
 
 def is_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:

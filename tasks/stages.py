@@ -1,9 +1,8 @@
 """The stage tasks (six, and the optional validation). Each takes its stage's one input and returns a small ref;
-caching is keyed on the input's planned stage key (fingerprints and config), never tensors."""
+caching is keyed on the input's planned stage key (fingerprints and config), never tensors. The input types are
+exported here for the flow."""
 
 from __future__ import annotations
-
-from prefect import task
 
 from influence_core.pipeline import aggregation, preconditioner, prepare, query_factors, scoring, training, validation
 from influence_core.pipeline.aggregation import AggregationInput
@@ -11,39 +10,32 @@ from influence_core.pipeline.cluster import dask_client
 from influence_core.pipeline.preconditioner import PreconditionerInput
 from influence_core.pipeline.prepare import PrepareInput
 from influence_core.pipeline.query_factors import QueryFactorsInput
-from influence_core.pipeline.refs import DataRef, ModelRef, ScoresRef, StageRef, ValidationRef
+from influence_core.pipeline.refs import ScoresRef, StageRef, ValidationRef
 from influence_core.pipeline.score_input import ScoringInput
 from influence_core.pipeline.specs import METHOD_CLASSES
 from influence_core.pipeline.training import TrainingInput
 from influence_core.pipeline.validation import ValidationInput
 
-from .policy import STAGE_OPTIONS, stage_body, stage_policy
+from .policy import stage_task
 from .progress import ChunkProgress
 
+__all__ = [
+    "AggregationInput", "PreconditionerInput", "PrepareInput", "QueryFactorsInput", "ScoringInput", "TrainingInput", "ValidationInput",
+    "aggregate", "compute_influences", "compute_test_factors", "fit_model", "fit_preconditioner", "prepare_data", "validate_run",
+]
 
-@task(name="prepare_data", cache_policy=stage_policy(), **STAGE_OPTIONS)
-@stage_body
-def prepare_data(stage: PrepareInput) -> DataRef:
-    """Dataset → row-chunked Zarr arrays with a content fingerprint."""
-    return prepare.run(stage)
-
-
-@task(name="fit_model", cache_policy=stage_policy(), **STAGE_OPTIONS)
-@stage_body
-def fit_model(stage: TrainingInput) -> ModelRef:
-    """Train the model (or load its checkpoint) and store its state_dict."""
-    return training.run(stage)
+prepare_data = stage_task("prepare_data")(prepare.run)  # dataset → row-chunked Zarr arrays with a content fingerprint
+fit_model = stage_task("fit_model")(training.run)  # train the model (or load its checkpoint) and store its state_dict
+aggregate = stage_task("aggregate")(aggregation.run)  # top-k helpful and harmful, argmax and train totals, streamed over the scores
 
 
-@task(name="fit_preconditioner", cache_policy=stage_policy(), **STAGE_OPTIONS)
-@stage_body
+@stage_task("fit_preconditioner")
 def fit_preconditioner(stage: PreconditionerInput) -> StageRef:
     """Fit the curvature state of the chosen method and store it (K-FAC factor passes run on the cluster)."""
     return preconditioner.run(stage, client_factory=lambda: dask_client(stage.compute, METHOD_CLASSES[stage.method.name].thread_safe))
 
 
-@task(name="compute_test_factors", cache_policy=stage_policy(), **STAGE_OPTIONS)
-@stage_body
+@stage_task("compute_test_factors")
 def compute_test_factors(stage: QueryFactorsInput) -> StageRef:
     """(C + λI)⁻¹ ∇ℓ for every query, once per run; LiSSA's repeats run on the cluster (FastIF's parallel s_test)."""
     compute = stage.compute
@@ -51,23 +43,14 @@ def compute_test_factors(stage: QueryFactorsInput) -> StageRef:
     return query_factors.run(stage, client_factory=factory)
 
 
-@task(name="compute_influences", cache_policy=stage_policy(), **STAGE_OPTIONS)
-@stage_body
+@stage_task("compute_influences")
 def compute_influences(stage: ScoringInput) -> ScoresRef:
     """Scores (and self-influences) for every (query, training example), or FastIF's candidate scores, one train chunk per Dask task; resumes where it stopped."""
     thread_safe = METHOD_CLASSES[stage.method.name].thread_safe
     return scoring.run(stage, client_factory=lambda: dask_client(stage.compute, thread_safe), on_progress=ChunkProgress("compute_influences"))
 
 
-@task(name="aggregate", cache_policy=stage_policy(), **STAGE_OPTIONS)
-@stage_body
-def aggregate(stage: AggregationInput) -> StageRef:
-    """Top-k helpful and harmful, argmax and train totals, streamed over the scores."""
-    return aggregation.run(stage)
-
-
-@task(name="validate", cache_policy=stage_policy(), **STAGE_OPTIONS)
-@stage_body
+@stage_task("validate")
 def validate_run(stage: ValidationInput) -> ValidationRef:
     """The run's LDS: retrain on random subsets, one Dask task each (resumed per subset), and rank-correlate."""
     return validation.run(stage, client_factory=lambda: dask_client(stage.compute, True), on_progress=ChunkProgress("validate", "retrained subsets"))

@@ -26,19 +26,12 @@ from .knn_prefilter import build_index, candidate_entries, index_kind, module_fe
 from ..errors import ConfigError, NumericalError
 from .layout import DIMENSIONS
 from .refs import ScoresRef
+from ..self_influence import SelfInfluencePlan
 from .score_input import ScoringInput
 from .specs import CandidatesSpec
 from .threads import TASK_THREADS, torch_threads
 from .loading import load_model, open_data
 from .stage import StageLocation
-
-
-class _CandidateWorker(ChunkWorker):
-    """A chunk worker that also keeps each query's candidates."""
-
-    def __init__(self, job: CandidateJob) -> None:
-        super().__init__(job, None)
-        self.candidates = _load_npy(job.path("candidates.npy"), job.options)
 
 
 @dataclass(frozen=True)
@@ -50,13 +43,14 @@ class CandidateJob(ChunkJob):
         assert self.stage.candidates is not None
         return self.stage.candidates
 
-    def load(self) -> _CandidateWorker:
-        return _CandidateWorker(self)
+    def hold(self, plan: SelfInfluencePlan | None) -> np.ndarray:
+        """Each query's candidates."""
+        return _load_npy(self.path("candidates.npy"), self.options)
 
-    def score(self, worker: _CandidateWorker, index: int) -> None:
+    def score(self, worker: ChunkWorker, index: int) -> None:
         """Scores of the candidates among training chunk `index`, saved as its part (entries and values)."""
         lo, hi = self.stage.layout.bounds(index)
-        candidates = worker.candidates
+        candidates = worker.held
         rows = np.unique(candidates[(candidates >= lo) & (candidates < hi)])
         x, y = np.asarray(worker.x[lo:hi]), np.asarray(worker.y[lo:hi])
         scores, _ = worker.scorer(torch.from_numpy(x[rows - lo]), torch.from_numpy(y[rows - lo]))

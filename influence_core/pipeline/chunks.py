@@ -32,14 +32,16 @@ KEPT_WORKERS = 2  # jobs whose loaded state a worker process keeps (least recent
 
 class ChunkWorker:
     """What a worker process keeps between chunk tasks of one job: the fitted influence model, the scorer of the
-    query factors (with the job's self-influence plan) and the training arrays."""
+    query factors (with the job's self-influence plan), the training arrays, and what the job holds besides."""
 
-    def __init__(self, job: ChunkJob, plan: SelfInfluencePlan | None) -> None:
+    def __init__(self, job: ChunkJob) -> None:
         stage, options = job.stage, job.options
         self.im: InfluenceFunctionModel = load_influence_model(stage.method, stage.model, stage.data, stage.preconditioner, options)
         arrays = open_data(stage.data, options)
         self.x, self.y = arrays["x_train"], arrays["y_train"]
+        plan = job.self_influence_plan()
         self.scorer = Scorer(self.im, read_factors(self.im, stage.factors.url, options, self.x, self.y), plan)
+        self.held = job.hold(plan)
 
 
 @dataclass(frozen=True)
@@ -73,16 +75,20 @@ class ChunkJob(ABC):
         done = self.marked() & self.written()
         return [i for i in needed if i not in done]
 
+    def self_influence_plan(self) -> SelfInfluencePlan | None:
+        """The self-influence plan the scorer applies (None: no self-influence)."""
+        return None
+
+    @abstractmethod
+    def hold(self, plan: SelfInfluencePlan | None) -> Any:
+        """What a worker keeps for this job's tasks besides the scorer (open output arrays, candidates)."""
+
     @abstractmethod
     def written(self) -> set[int]:
         """Chunks whose part is wholly in the store."""
 
     @abstractmethod
-    def load(self) -> ChunkWorker:
-        """The worker state of this job, loaded once per process."""
-
-    @abstractmethod
-    def score(self, worker: Any, index: int) -> None:
+    def score(self, worker: ChunkWorker, index: int) -> None:
         """Score train chunk `index` and write its part."""
 
 
@@ -96,7 +102,7 @@ def _worker(job: ChunkJob) -> ChunkWorker:
     where = f"{job.key}:{job.influence_url}"
     with _WORKERS_LOCK:
         if where not in _WORKERS:
-            _WORKERS[where] = job.load()
+            _WORKERS[where] = ChunkWorker(job)
             while len(_WORKERS) > KEPT_WORKERS:
                 _WORKERS.popitem(last=False)
         _WORKERS.move_to_end(where)

@@ -33,17 +33,6 @@ from .stage import StageLocation
 from .run_store import RunStore
 
 
-class _ScoreWorker(ChunkWorker):
-    """A chunk worker that also keeps the open scores and self-influence arrays."""
-
-    def __init__(self, job: ScoreJob) -> None:
-        plan = plan_from_state(load_state(job.plan_url, job.options, field="self_influence_plan"))
-        super().__init__(job, plan)
-        group = storage.open_group(job.influence_url, job.options, mode="a")
-        self.scores = group["scores"]
-        self.self_influence = group["self_influence"] if plan is not None else None
-
-
 @dataclass(frozen=True)
 class ScoreJob(ChunkJob):
     """A chunk job that writes a shard of the full scores (and its self-influences)."""
@@ -53,19 +42,25 @@ class ScoreJob(ChunkJob):
         """The self-influence plan, computed once by the driver."""
         return self.path("self_influence_plan.pt")
 
-    def load(self) -> _ScoreWorker:
-        return _ScoreWorker(self)
+    def self_influence_plan(self) -> SelfInfluencePlan | None:
+        return plan_from_state(load_state(self.plan_url, self.options, field="self_influence_plan"))
 
-    def score(self, worker: _ScoreWorker, index: int) -> None:
+    def hold(self, plan: SelfInfluencePlan | None) -> tuple[zarr.Array, zarr.Array | None]:
+        """The open scores array, and the self-influence one when the plan computes them."""
+        group = storage.open_group(self.influence_url, self.options, mode="a")
+        return group["scores"], group["self_influence"] if plan is not None else None
+
+    def score(self, worker: ChunkWorker, index: int) -> None:
         lo, hi = self.stage.layout.bounds(index)
         x = torch.from_numpy(np.asarray(worker.x[lo:hi]))
         y = torch.from_numpy(np.asarray(worker.y[lo:hi]))
         scores, self_inf = worker.scorer(x, y)
         assert scores is not None
-        worker.scores[:, lo:hi] = scores.detach().cpu().numpy().astype(np.float32)
-        if worker.self_influence is not None:
+        scores_out, self_out = worker.held
+        scores_out[:, lo:hi] = scores.detach().cpu().numpy().astype(np.float32)
+        if self_out is not None:
             assert self_inf is not None
-            worker.self_influence[lo:hi] = self_inf.detach().cpu().numpy().astype(np.float32)
+            self_out[lo:hi] = self_inf.detach().cpu().numpy().astype(np.float32)
 
     def written(self) -> set[int]:
         """Chunks whose every object is in the store, in the scores and any self-influences."""
@@ -98,7 +93,7 @@ def _self_influence_plan(job: ScoreJob, work: Work) -> SelfInfluencePlan:
     """The plan of this job: read back when an interrupted run already stored it, else computed here (a low-rank
     sketch costs curvature products, added to `work`) and stored for the workers."""
     try:
-        return plan_from_state(load_state(job.plan_url, job.options, field="self_influence_plan"))
+        return job.self_influence_plan()
     except ConfigError:  # not stored yet, or cut short by a crash
         pass
     stage = job.stage

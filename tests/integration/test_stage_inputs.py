@@ -12,7 +12,8 @@ from flows.influence_run import influence_run
 from influence_core.pipeline import prepare, stage as stage_module
 from influence_core.pipeline.specs import DigitsDataset
 from influence_core.pipeline.run_store import RunStore
-from tasks.policy import CrashSafeLockManager, stage_body, waited
+from tasks.policy import CrashSafeLockManager, waited
+from tasks.stages import prepare_data
 from tests.helpers import small_params
 
 
@@ -52,7 +53,7 @@ def test_a_stage_whose_lock_was_held_by_another_run_reads_its_manifest_again(tmp
     theirs = prepare.run(prepare.PrepareInput(DigitsDataset(n_train=50, n_test=5), store))
     threading.Timer(0.2, locks.release_lock, (key, "other run")).start()
     assert locks.acquire_lock(key, "this run", acquire_timeout=10) and waited(key)
-    found = stage_body(prepare.run)(mine)
+    found = prepare_data.fn(mine)  # the task's body
     assert found.created_at == theirs.created_at  # found complete, not computed again
     locks.release_lock(key, "this run")
     assert locks.acquire_lock(key, "this run") and not waited(key)  # taken at once: the check is trusted
