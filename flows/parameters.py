@@ -93,7 +93,7 @@ class RunParameters(BaseModel):
         where = {"output_url": True, "overwrite": True, "compute": set(PLACEMENT["compute"]), "storage": set(PLACEMENT["storage"])}
         if not self.validation.subsets:
             where["validation"] = True
-        dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config()}  # type: ignore[arg-type]
+        dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config(), "model": self.model.key_config()}  # type: ignore[arg-type]
         payload = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 

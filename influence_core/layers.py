@@ -117,8 +117,9 @@ def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[
     modules = dict(model.named_modules())
     supported = [n for n, m in modules.items() if layer_type(m) is not None]
     trainable = [n for n in supported if any(t.requires_grad for t in modules[n].parameters(recurse=False))]
+    tied = tied_layers(model, modules, supported)
     if names is None:
-        chosen = trainable  # frozen layers (requires_grad=False) are never attributed
+        chosen = [n for n in trainable if n not in tied]  # frozen layers (requires_grad=False) are never attributed
     else:
         chosen = []
         for name in names:
@@ -132,6 +133,12 @@ def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[
         unsupported = [f"{n} ({type(modules[n]).__name__})" for n in chosen if layer_type(modules[n]) is None]
         if unsupported:
             raise ConfigError("method.modules", f"{unsupported} are not Linear or Conv2d (or Conv1D)", "track Linear, Conv2d and Conv1D modules only")
+    shared = [n for n in chosen if n in tied]
+    if shared:
+        raise ConfigError(
+            "method.modules", f"{shared} share their weight with another module (tied embeddings, as GPT-2's lm_head), so they are no layer of their own",
+            "leave them out of method.modules (the default does): the shared weight is attributed through the module that owns it by methods without Kronecker factors, e.g. cg",
+        )
     frozen = [n for n in chosen if n not in trainable]
     if frozen:
         raise ConfigError(
@@ -145,6 +152,13 @@ def select_layers(model: nn.Module, names: Iterable[str] | None = None) -> list[
     if not chosen:
         raise ConfigError("method.modules", "no Linear, Conv2d or Conv1D layer is selected", "select such modules, or use a method without Kronecker factors, e.g. cg")
     return [TrackedLayer(n, modules[n]) for n in chosen]
+
+
+def tied_layers(model: nn.Module, modules: dict[str, nn.Module], supported: list[str]) -> set[str]:
+    """Layers whose weight another module registered first (GPT-2's lm_head shares the token embedding's):
+    `named_parameters` lists a shared tensor once, under its first name, so it cannot be a Kronecker block here."""
+    owned = {name for name, _ in model.named_parameters()}
+    return {n for n in supported if any(p not in owned for p in TrackedLayer(n, modules[n]).param_names)}
 
 
 def module_param_names(model: nn.Module, modules: Iterable[str] | None) -> list[str] | None:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import ConfigError
 from .task import LossFn, Task, resolve_task
@@ -105,7 +106,8 @@ class Objective:
         _, loss_hessian = vjp(grad(lambda o: self.task.mean_loss(o, y)), out.detach())  # ∇²ℓ(f) is symmetric
 
         def single(v: Params) -> Params:
-            jv = jvp(forward, (self.params,), (v,))[1]
+            with sdpa_kernel(SDPBackend.MATH):  # the fused CPU/GPU attention kernels have no forward-mode derivative
+                jv = jvp(forward, (self.params,), (v,))[1]
             return pullback(loss_hessian(jv)[0])[0]
 
         def apply(vectors: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ def output_width(spec: ModelSpec, data: DataRef) -> int:
     """Explicit width, else one output per class, else one regression target."""
     if spec.output_dim is not None:
         return spec.output_dim
+    if spec.task_name == "language_modelling":
+        return spec.vocab_size
     return data.n_classes if (spec.task_name == "classification" and data.n_classes) else 1
 
 
@@ -31,9 +33,29 @@ def build_model(spec: ModelSpec, data: DataRef) -> nn.Module:
     return spec.build(math.prod(data.feature_shape), output_width(spec, data), tuple(data.feature_shape)).to(torch_dtype)
 
 
-def check_model_fits(model: nn.Module, spec: ModelSpec, x: Any, y: Any) -> None:
-    """Raise a ConfigError naming the model's field when its outputs cannot be scored against the labels by the task
-    (model.options for a factory's model)."""
+def check_tokens(spec: ModelSpec, *splits: Any) -> None:
+    """The built-in transformer reads features as token ids: whole numbers in [0, vocab_size), checked block by block
+    over every split (an id out of range would fail deep inside a scoring task)."""
+    for x in splits:
+        n = x.shape[0]
+        step = x.chunks[0] if hasattr(x, "chunks") else n
+        for lo in range(0, n, step):
+            block = np.asarray(x[lo : lo + step]).reshape(min(step, n - lo), -1)
+            bad = (block != np.round(block)) | (block < 0) | (block >= spec.vocab_size)
+            if bad.any():
+                row, column = np.argwhere(bad)[0]
+                raise ConfigError(
+                    "model.vocab_size", f"row {lo + row} holds {block[row, column]:g} at position {column}, not a token id in [0, {spec.vocab_size})",
+                    "store whole-number token ids below model.vocab_size, or raise model.vocab_size",
+                )
+
+
+def check_model_fits(model: nn.Module, spec: ModelSpec, arrays: dict[str, Any]) -> None:
+    """Raise a ConfigError naming the model's field when its inputs or outputs cannot be scored against the labels by
+    the task (model.options for a factory's model)."""
+    if spec.factory is None and spec.architecture == "transformer":
+        check_tokens(spec, arrays["x_train"], arrays["x_test"])
+    x, y = arrays["x_train"], arrays["y_train"]
     try:
         Objective(model, spec.make_task()).check_outputs(torch.from_numpy(np.asarray(x[:64])), torch.from_numpy(np.asarray(y[:])))
     except ConfigError as exc:

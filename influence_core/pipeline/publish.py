@@ -92,7 +92,8 @@ def publish(
     arrays = open_data(data, store.options)
     validation = refs.get("validate")
     validated = validation.model_dump(include=set(VALIDATION_FIELDS)) if isinstance(validation, ValidationRef) else None
-    png = render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape, None if validated is None else lds_line(validated))
+    text = config.get("model", {}).get("architecture") == "transformer" and not config["model"].get("factory")  # token ids: shown as text
+    png = render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape, None if validated is None else lds_line(validated), text)
     summary = {
         "status": "complete",
         "finished_at": datetime.now(timezone.utc).isoformat(),

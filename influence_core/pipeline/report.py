@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,24 @@ class QueryRow:
     harmful: list[Neighbour]
 
 
+TEXT_CHARS = 48  # decoded text shown per example in the table and the report
+
+
+def decode_bytes(ids: Any, limit: int = TEXT_CHARS) -> str:
+    """Byte-level text of token ids (the default tokenizer): unscored ids (negative) dropped, line breaks shown as ⏎,
+    cut to `limit` characters."""
+    values = np.asarray(ids).ravel()
+    raw = bytes(int(v) for v in values[(values >= 0) & (values < 256)])
+    text = raw.decode("utf-8", errors="replace").replace("\n", "⏎").replace("\t", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _label(value: Any) -> Any:
-    return int(value) if np.issubdtype(np.asarray(value).dtype, np.integer) else round(float(value), 4)
+    """A class index, a rounded target, or the text of a sequence of token labels."""
+    array = np.asarray(value)
+    if array.size > 1:
+        return decode_bytes(array)
+    return int(value) if np.issubdtype(array.dtype, np.integer) else round(float(value), 4)
 
 
 def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3) -> list[QueryRow]:
@@ -44,11 +61,11 @@ def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int
     return [QueryRow(q, _label(test_labels[q]), neighbours("helpful", q), neighbours("harmful", q)) for q in range(n)]
 
 
-def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None, note: str | None = None) -> bytes:
+def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None, note: str | None = None, text: bool = False) -> bytes:
     """PNG: one line per query: the query, then its most helpful and most harmful training examples.
 
-    Images are drawn when the data are images; otherwise each example's first features are plotted. `note` (the
-    run's LDS, when validated) goes under the title.
+    Images are drawn when the data are images, the decoded text when the features are token ids (`text`);
+    otherwise each example's first features are plotted. `note` (the run's LDS, when validated) goes under the title.
     """
     import matplotlib
 
@@ -68,11 +85,15 @@ def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: 
             ax.set_yticks([])
             colour = {"query": "black", "helpful": "tab:green", "harmful": "tab:red"}[kind]
             features = np.asarray(source[index])
-            if image_shape:
+            if text:
+                wrapped = "\n".join(textwrap.wrap(decode_bytes(features, 4 * TEXT_CHARS), 18, replace_whitespace=False)[:8])
+                ax.text(0.03, 0.97, wrapped, fontsize=5.5, family="monospace", va="top", transform=ax.transAxes)
+            elif image_shape:
                 ax.imshow(features.reshape(image_shape), cmap="gray_r")
             else:
                 ax.plot(features.ravel()[:64], color=colour, linewidth=0.8)
-            title = f"{kind} #{index}\ny={label}" + ("" if score is None else f" s={score:.3g}")
+            shown = "" if text else f"\ny={label}"  # text: the cell already shows the example
+            title = f"{kind} #{index}{shown}" + ("" if score is None else f"\ns={score:.3g}" if text else f" s={score:.3g}")
             ax.set_title(title, fontsize=7, color=colour)
             for spine in ax.spines.values():
                 spine.set_edgecolor(colour)

@@ -18,6 +18,7 @@ from .knn_prefilter import resolve_module
 from .dotted import DOTTED, load_attribute
 from ..errors import ConfigError
 from .losses import LossName
+from .transformer import TokenTransformer
 from ..projection import Projection
 from ..task import BUILTIN, Classification, Task
 from ..methods import (
@@ -169,8 +170,10 @@ class Architecture(str, Enum):
     mlp = "mlp"
     linear = "linear"
     cnn = "cnn"
+    transformer = "transformer"
 
 
+TRANSFORMER_FIELDS = {"d_model", "heads", "layers", "vocab_size"}
 LOSS_TASKS = {"cross_entropy": "classification", "mse": "regression"}
 
 
@@ -181,11 +184,19 @@ class Activation(str, Enum):
 
 
 class ModelSpec(Spec):
-    architecture: Architecture = Field(Architecture.mlp, title="Architecture", description="mlp: fully connected with `hidden` layers; linear: one linear layer (linear/logistic regression); cnn: 3x3 convolutions with `channels`, for images.")
+    architecture: Architecture = Field(
+        Architecture.mlp, title="Architecture",
+        description="mlp: fully connected with `hidden` layers; linear: one linear layer (linear/logistic regression); cnn: 3x3 convolutions with `channels`, for images; "
+        "transformer: token ids (n, T) through `layers` blocks of width `d_model`, a causal language model with task language_modelling, else an encoder classifier.",
+    )
     hidden: list[Annotated[int, Field(ge=1)]] = Field([32], title="Hidden widths", description="Width of each hidden layer of the MLP.")
     activation: Activation = Field(Activation.tanh, title="Activation", description="Nonlinearity between MLP layers (tanh keeps the Hessian smooth).")
     output_dim: int | None = Field(None, ge=1, title="Outputs", description="Output width; empty means one per class (classification) or 1 (regression).")
     channels: list[Annotated[int, Field(ge=1)]] = Field([8, 16], title="Channels (cnn)", description="Output channels of each 3x3 convolution of the cnn (each followed by the activation and a 2x2 max-pool while the image is at least 2x2).")
+    d_model: int = Field(64, ge=1, title="Width (transformer)", description="Embedding width of the transformer; a multiple of `heads`.")
+    heads: int = Field(2, ge=1, title="Attention heads (transformer)", description="Attention heads per transformer block.")
+    layers: int = Field(2, ge=1, title="Blocks (transformer)", description="Transformer blocks (attention and feed-forward, pre-norm).")
+    vocab_size: int = Field(256, ge=2, title="Vocabulary (transformer)", description="Token ids run from 0 to vocab_size - 1 (256: bytes); a language model emits one logit per token.")
     factory: str | None = Field(None, title="Model factory", description="`package.module:callable` that returns your torch.nn.Module, called with `options`; replaces architecture, hidden, activation, channels and output_dim.")
     options: dict[str, Any] = Field({}, title="Factory options", description="Keyword arguments of the model factory.")
     loss: LossName = Field("cross_entropy", title="Loss", description="Training loss, also the loss whose influence is measured (cross_entropy: the classification task, mse: regression).")
@@ -198,9 +209,17 @@ class ModelSpec(Spec):
     def _plug_ins(self) -> "ModelSpec":
         if self.factory is not None and not DOTTED.fullmatch(self.factory):
             raise ConfigError("model.factory", f"{self.factory!r} is not `package.module:callable`", "name an importable module and a callable in it, e.g. mypackage.models:make_model")
+        if self.architecture == Architecture.transformer.value and self.d_model % self.heads:
+            raise ConfigError("model.heads", f"d_model={self.d_model} does not split into {self.heads} heads", f"use a d_model that is a multiple of heads, e.g. {self.heads * max(1, self.d_model // self.heads)}")
         if self.measurement == "margin" and self.task_name != "classification":
             raise ConfigError("model.measurement", f"the margin needs the classification task, not {self.task_name}", "set model.measurement: loss, or model.task: classification")
         return self
+
+    def key_config(self) -> dict[str, Any]:
+        """The settings as the run fingerprint hashes them: the transformer's only for a transformer, so the runs of
+        other architectures stored before it existed keep their fingerprints."""
+        transformer = self.architecture == Architecture.transformer.value
+        return self.model_dump(mode="json", exclude=None if transformer else TRANSFORMER_FIELDS)
 
     @property
     def task_name(self) -> str:
@@ -217,6 +236,12 @@ class ModelSpec(Spec):
             return self._from_factory()
         if self.architecture == Architecture.linear.value:
             return nn.Sequential(nn.Flatten(), nn.Linear(in_features, out_features))
+        if self.architecture == Architecture.transformer.value:
+            if feature_shape and len(feature_shape) != 1:
+                raise ConfigError("model.architecture", f"transformer needs token ids of shape (n, T), not features of shape {tuple(feature_shape)}", "store one row of token ids per example, or use architecture cnn or mlp")
+            context = feature_shape[0] if feature_shape else in_features
+            causal = self.task_name == "language_modelling"
+            return TokenTransformer(self.vocab_size, context, self.d_model, self.heads, self.layers, out_features, causal)
         act = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}[self.activation]
         if self.architecture == Architecture.cnn.value:
             return self._cnn(feature_shape or (in_features,), out_features, act)

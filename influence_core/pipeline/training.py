@@ -43,7 +43,7 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         model = build_model(spec, data)
         if spec.checkpoint:  # a checkpoint for another model is named as such, before the outputs are checked
             load_into(model, load_state(spec.checkpoint, store.options))
-        check_model_fits(model, spec, arrays["x_train"], arrays["y_train"])
+        check_model_fits(model, spec, arrays)
         train_loss = None if spec.checkpoint else train(model, spec, training, arrays["x_train"], arrays["y_train"])
     raw = state_bytes(model)
     url = loc.path("model.pt")

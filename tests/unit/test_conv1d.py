@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from influence_core import DirectInfluence, EkfacInfluence, KfacInfluence
+from influence_core import ConfigError, DirectInfluence, EkfacInfluence, KfacInfluence
 from influence_core.contraction import GradientSplit, gradient_batch, materialise
 from influence_core.layers import layer_type, select_layers
 from influence_core.objective import Objective
@@ -106,3 +106,18 @@ def test_gpt2_ekfac_eigenvalues_are_the_exact_curvature_in_its_eigenbasis(gpt2):
     basis = tracked.to_flat(torch.einsum("os,ia->saoi", state["q_s"], state["q_a"]).reshape(-1, tracked.out_dim, tracked.in_dim))
     expected = torch.diagonal(basis @ block @ basis.T)
     torch.testing.assert_close(state["eigenvalues"].reshape(-1), expected, rtol=0, atol=1e-9 * float(expected.max()))
+
+
+def test_gpt2_tied_lm_head_is_left_out_of_kronecker_factors(gpt2):
+    """GPT-2's lm_head shares the token embedding's weight, which the model registers under the embedding's name:
+    K-FAC's default layers are the 8 Conv1D projections (they used to include lm_head, whose weight K-FAC then could
+    not find), scoring exactly as when those are named; naming lm_head is refused with the reason and the fix."""
+    ids = torch.randint(0, 20, (8, 6), generator=torch.Generator().manual_seed(6))
+    projections = [layer.name for layer in select_layers(gpt2, ["Conv1D"])]
+    assert [layer.name for layer in select_layers(gpt2)] == projections and "lm_head" not in projections
+    default = KfacInfluence(gpt2, LanguageModelling(), 1e-2, fisher="exact").fit((ids, ids))
+    named = KfacInfluence(gpt2, LanguageModelling(modules=tuple(projections)), 1e-2, fisher="exact").fit((ids, ids))
+    torch.testing.assert_close(default.influences(ids[:3], ids[:3], ids, ids), named.influences(ids[:3], ids[:3], ids, ids), rtol=0, atol=0)
+    assert "transformer.wte.weight" in default.attributed_parameters()["excluded"]["names"]
+    with pytest.raises(ConfigError, match=r"\['lm_head'\] share their weight with another module"):
+        KfacInfluence(gpt2, LanguageModelling(modules=("lm_head",)), 1e-2)

@@ -74,3 +74,28 @@ def test_gauss_newton_operator_matches_explicit_jacobian(budget):
     expected = torch.einsum("ncp,ncd,ndq->pq", jac, out_hessian, jac) / len(x)
     for batch_size in (17, 4):
         torch.testing.assert_close(dense(objective, x, y, batch_size, "gauss_newton", budget), expected, rtol=1e-10, atol=1e-12)
+
+
+class AttentionClassifier(nn.Module):
+    """Token embeddings, one `F.scaled_dot_product_attention` (the fused kernel on CPU in float32), a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.qkv, self.head = nn.Embedding(11, 8), nn.Linear(8, 24), nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.embed(ids)).unsqueeze(1).chunk(3, dim=-1)
+        return self.head(F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1).mean(1))
+
+
+def test_gauss_newton_operator_runs_fused_attention_and_matches_explicit_jacobian():
+    """The fused attention kernels have no forward-mode derivative (GPT-2 and BERT in transformers call them): the
+    Gauss-Newton product still works, and equals Jᵀ ∇²ℓ J from reverse-mode Jacobians."""
+    model = AttentionClassifier()
+    x, y = torch.randint(0, 11, (9, 5)), torch.randint(0, 3, (9,))
+    objective = Objective(model, "cross_entropy")
+    jac = objective.space.flatten(jacrev(lambda p: objective.outputs(p, x))(objective.params), batch_dims=2)
+    probs = torch.softmax(model(x), dim=-1).detach()
+    out_hessian = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
+    expected = torch.einsum("ncp,ncd,ndq->pq", jac, out_hessian, jac) / len(x)
+    torch.testing.assert_close(dense(objective, x, y, 9, "gauss_newton", PRODUCT_ACTIVATION_BYTES), expected, rtol=1e-4, atol=1e-6)
