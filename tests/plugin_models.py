@@ -2,9 +2,58 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
 def dropout_batchnorm_mlp(in_features: int, classes: int, hidden: int = 16, dropout: float = 0.5) -> nn.Module:
     """An MLP with BatchNorm and Dropout: random in train mode, deterministic in eval mode."""
     return nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.BatchNorm1d(hidden), nn.Tanh(), nn.Dropout(dropout), nn.Linear(hidden, classes))
+
+
+class Logits(nn.Module):
+    """A Hugging Face model called on token ids (stored as numbers, cast to integers), returning its logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids.long()).logits
+
+
+def gpt2_lm(n_layer: int = 2, n_embd: int = 64, n_head: int = 2, vocab_size: int = 256, n_positions: int = 32) -> nn.Module:
+    """transformers' GPT-2 (Conv1D projections, lm_head tied to the token embedding), random weights: no download."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions, bos_token_id=0, eos_token_id=0)
+    return Logits(GPT2LMHeadModel(config))
+
+
+def bert_classifier(hidden: int = 32, layers: int = 2, heads: int = 2, vocab_size: int = 256, classes: int = 3, max_len: int = 32) -> nn.Module:
+    """transformers' BERT sequence classifier (nn.Linear layers, embeddings, LayerNorm, a pooler), random weights."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=2 * hidden, max_position_embeddings=max_len, num_labels=classes)
+    return Logits(BertForSequenceClassification(config))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(h + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(h))))))
+
+
+def resnet(side: int = 8, channels: int = 8, blocks: int = 1, classes: int = 10) -> nn.Module:
+    """A ResNet-style CNN for flat (side·side) grey images: a convolution stem with BatchNorm, residual blocks,
+    global average pooling and a linear head."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, side, side)),
+        nn.Conv2d(1, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+        *(ResidualBlock(channels) for _ in range(blocks)),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes),
+    )
