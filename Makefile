@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-e2e quality bench bench-quick bench-scaling bench-big bench-soak bench-fastif serve clean
+.PHONY: install demo demo-text test test-e2e quality bench bench-quick bench-scaling bench-big bench-soak bench-fastif serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/influence-pipeline demo
+
+# A byte-level GPT on the standard library's docstrings: which passages made it continue each prompt?
+demo-text: $(STAMP)
+	$(BIN)/influence-pipeline run --config configs/text-demo.yaml
 
 # `make test`: everything but the end-to-end cases (a Prefect server, a worker and a browser) and the slow
 # whole-process ones (signals, S3 outages, concurrent runs, SIGKILL, lost workers, every cluster kind, reproducibility);

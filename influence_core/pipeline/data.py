@@ -13,7 +13,9 @@ import numpy as np
 from . import storage
 from .dotted import load_attribute
 from ..errors import ConfigError
-from .specs import DatasetSpec, DigitsDataset, HeldOutDataset, PathDataset, SyntheticClassificationDataset, SyntheticDataset
+from ..task.builtin import IGNORE_INDEX
+from . import python_docs
+from .specs import DatasetSpec, DigitsDataset, HeldOutDataset, PathDataset, PythonDocsDataset, SyntheticClassificationDataset, SyntheticDataset
 
 GENERATION_BLOCK = 8192  # generated data depend on this, never on the storage chunking
 Block = tuple[np.ndarray, np.ndarray]
@@ -194,6 +196,17 @@ def _npz(spec: PathDataset, options: dict[str, Any]) -> Source:
     return _from_arrays(arrays, spec)
 
 
+def _python_docs(spec: PythonDocsDataset) -> Source:
+    """Language modelling on byte windows of the standard library's docstrings: seeded shuffled windows for training,
+    then the 'prompt|completion' queries (or held-out windows); labels are the inputs' own ids."""
+    rows = python_docs.windows(python_docs.corpus(), spec.window)
+    rows = rows[np.random.default_rng(spec.seed).permutation(len(rows))]
+    n_test = 0 if spec.queries else min(spec.n_test or 20, len(rows) // 5)
+    train = rows[n_test:][: spec.n_train]
+    x_test, y_test = python_docs.query_rows(spec.queries, spec.window) if spec.queries else (rows[:n_test], rows[:n_test])
+    return Source(_in_memory_split(train, train, None), _in_memory_split(x_test, y_test, None), None, None)
+
+
 SOURCES: dict[str, Callable[[Any, dict[str, Any]], Source]] = {
     "digits": lambda spec, options: _digits(spec),
     "synthetic_classification": lambda spec, options: _synthetic(spec),
@@ -202,6 +215,7 @@ SOURCES: dict[str, Callable[[Any, dict[str, Any]], Source]] = {
     "npy": lambda spec, options: _from_arrays(_load_npy_dir(spec), spec),
     "zarr": lambda spec, options: _from_arrays(_open_zarr(spec, options), spec),
     "torch": lambda spec, options: _torch_source(spec),
+    "python_docs": lambda spec, options: _python_docs(spec),
 }
 
 
@@ -216,10 +230,11 @@ def check_block(x: np.ndarray, y: np.ndarray, split: str, first_row: int) -> Non
         if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
             row = first_row + int(np.argwhere(~np.isfinite(values.reshape(len(values), -1)))[0, 0])
             raise ConfigError("dataset.path", f"{name} holds NaN or inf (first at row {row})", "drop or impute those rows before the run: one non-finite value spoils every score")
-    if np.issubdtype(y.dtype, np.integer) and len(y) and int(y.min()) < 0:
-        row = first_row + int(np.argmax(y < 0))
+    negative = (y < 0) & (y != IGNORE_INDEX) if np.issubdtype(y.dtype, np.integer) else np.zeros(0, dtype=bool)  # IGNORE_INDEX: a label not scored
+    if negative.any():
+        row = first_row + int(np.argwhere(negative.reshape(len(y), -1))[0, 0])
         raise ConfigError(
-            "dataset.path", f"y_{split} holds the negative label {int(y.min())} (first at row {row}); integer labels are class indices", "number the classes 0..C-1, or store regression targets as floats"
+            "dataset.path", f"y_{split} holds the negative label {int(y[negative].min())} (first at row {row}); integer labels are class indices", f"number the classes 0..C-1 ({IGNORE_INDEX} marks a label not scored), or store regression targets as floats"
         )
 
 

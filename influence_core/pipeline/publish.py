@@ -79,7 +79,7 @@ def query_rows(store: RunStore, data: DataRef, n_queries: int, n_show: int = 3) 
     """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples."""
     group = storage.open_group(store.influence_url, store.options, mode="r")
     arrays = open_data(data, store.options)
-    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show)
+    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, arrays["x_test"])
 
 
 def publish(

@@ -46,8 +46,19 @@ def _label(value: Any) -> Any:
     return int(value) if np.issubdtype(array.dtype, np.integer) else round(float(value), 4)
 
 
-def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3) -> list[QueryRow]:
-    """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples."""
+def prompted_text(ids: Any, labels: Any) -> str:
+    """A query of token ids as 'prompt|completion': the completion is the span its labels score (the prompt and any
+    padding are unscored); the whole text when every label is scored."""
+    ids, scored = np.asarray(ids).ravel(), np.flatnonzero(np.asarray(labels).ravel() >= 0)
+    if len(scored) in (0, len(ids)):
+        return decode_bytes(ids)
+    start, stop = scored[0], scored[-1] + 1
+    return decode_bytes(ids[:start]) + "|" + decode_bytes(ids[start:stop])
+
+
+def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3, x_test: Any = None) -> list[QueryRow]:
+    """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples; with
+    sequence labels (language modelling) a query reads as its 'prompt|completion' text from `x_test`."""
     n = min(n_queries, y_test.shape[0])
     arrays = {name: np.asarray(group[name][:n, :n_show]) for name in ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores")}
     needed = np.unique(np.concatenate([arrays["topk_helpful_indices"].ravel(), arrays["topk_harmful_indices"].ravel()]))
@@ -58,7 +69,12 @@ def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int
         idx, val = arrays[f"topk_{kind}_indices"][q], arrays[f"topk_{kind}_scores"][q]
         return [Neighbour(int(i), _label(train_labels[int(i)]), float(s)) for i, s in zip(idx, val)]
 
-    return [QueryRow(q, _label(test_labels[q]), neighbours("helpful", q), neighbours("harmful", q)) for q in range(n)]
+    if test_labels.ndim > 1 and x_test is not None:
+        queries = np.asarray(x_test[:n])
+        labels = [prompted_text(queries[q], test_labels[q]) for q in range(n)]
+    else:
+        labels = [_label(value) for value in test_labels]
+    return [QueryRow(q, labels[q], neighbours("helpful", q), neighbours("harmful", q)) for q in range(n)]
 
 
 def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None, note: str | None = None, text: bool = False) -> bytes:
@@ -85,14 +101,15 @@ def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: 
             ax.set_yticks([])
             colour = {"query": "black", "helpful": "tab:green", "harmful": "tab:red"}[kind]
             features = np.asarray(source[index])
-            if text:
-                wrapped = "\n".join(textwrap.wrap(decode_bytes(features, 4 * TEXT_CHARS), 18, replace_whitespace=False)[:8])
+            if text:  # a query reads 'prompt|completion' (its label), a training example its whole window
+                shown_text = label if kind == "query" and isinstance(label, str) else decode_bytes(features, 4 * TEXT_CHARS)
+                wrapped = "\n".join(textwrap.wrap(shown_text, 18, replace_whitespace=False)[:8])
                 ax.text(0.03, 0.97, wrapped, fontsize=5.5, family="monospace", va="top", transform=ax.transAxes)
             elif image_shape:
                 ax.imshow(features.reshape(image_shape), cmap="gray_r")
             else:
                 ax.plot(features.ravel()[:64], color=colour, linewidth=0.8)
-            shown = "" if text else f"\ny={label}"  # text: the cell already shows the example
+            shown = "" if isinstance(label, str) else f"\ny={label}"  # a text label: the cell already shows it
             title = f"{kind} #{index}{shown}" + ("" if score is None else f"\ns={score:.3g}" if text else f" s={score:.3g}")
             ax.set_title(title, fontsize=7, color=colour)
             for spine in ax.spines.values():

@@ -152,13 +152,42 @@ class TorchFactoryDataset(PathDataset):
     source: Literal["torch"] = Field("torch", title="Source", description="A `package.module:factory` returning a torch Dataset of (x, y) pairs, or a (train, test) pair.")
 
 
+class PythonDocsDataset(DatasetBase):
+    model_config = ConfigDict(title="Python docstrings (text)")
+
+    source: Literal["python_docs"] = Field(
+        "python_docs", title="Source",
+        description="Byte windows of the docstrings of Python's standard library (shipped with Python): token ids 0-255, labels the same ids, for language modelling.",
+    )
+    window: int = Field(64, ge=4, le=4096, title="Window (bytes)", description="Bytes per example: the model's context.")
+    queries: list[str] = Field(
+        [], title="Queries",
+        description="Texts 'prompt|completion': each query's measurement is the completion's log-probability after the prompt. Empty: n_test held-out windows.",
+    )
+
+    @field_validator("queries")
+    @classmethod
+    def _prompt_and_completion(cls, value: list[str]) -> list[str]:
+        for text in value:
+            if text.count("|") != 1 or not text.split("|")[1]:
+                raise ConfigError("dataset.queries", f"{text!r} is not 'prompt|completion'", "mark where the completion starts with one '|', e.g. 'Return the| absolute value'")
+        return value
+
+    @model_validator(mode="after")
+    def _queries_fit(self) -> "PythonDocsDataset":
+        too_long = [text for text in self.queries if len(text.replace("|", "").encode()) > self.window]
+        if too_long:
+            raise ConfigError("dataset.queries", f"{too_long[0]!r} is longer than window={self.window} bytes", f"shorten it, or raise dataset.window to at least {len(too_long[0].replace('|', '').encode())}")
+        return self
+
+
 def _digits_by_default(value: Any) -> Any:
     """A dataset section without `source` is the digits (the demo's dataset), as when the spec was flat."""
     return {"source": "digits", **value} if isinstance(value, dict) else value
 
 
 DatasetSpec = Annotated[
-    Union[DigitsDataset, SyntheticClassificationDataset, SyntheticRegressionDataset, NpzDataset, NpyDataset, ZarrDataset, TorchFactoryDataset],
+    Union[DigitsDataset, SyntheticClassificationDataset, SyntheticRegressionDataset, NpzDataset, NpyDataset, ZarrDataset, TorchFactoryDataset, PythonDocsDataset],
     Field(discriminator="source"),
     BeforeValidator(_digits_by_default),
     _AnyOfSchema(),
