@@ -152,7 +152,7 @@ class KfacInfluence(InfluenceFunctionModel):
     Parameters of other modules are excluded explicitly: `excluded_parameters` lists them. `fisher` is 'exact'
     (the expectation over the outputs, one backward pass per output; exact for a single linear layer with squared
     loss), 'sampled' (`fisher_samples` targets per example drawn from the model, seeded; one backward pass each),
-    or 'auto' (the default): exact up to EXACT_FISHER_MAX_PASSES = 64 backward passes per example
+    or 'auto' (the default, also None): exact up to EXACT_FISHER_MAX_PASSES = 64 backward passes per example
     (the task's `fisher_passes`: classes, or positions × vocabulary), sampled above.
     The correction pass draws its samples independently of the covariance pass.
     """
@@ -179,11 +179,12 @@ class KfacInfluence(InfluenceFunctionModel):
         self.layers = select_layers(model, task.modules if o.modules is None else o.modules)
         if o.query_rank is not None and o.projection is not None:
             raise ConfigError("method.query_rank", "query_rank with a projection", "leave query_rank empty: projected factors are already small")
-        if o.fisher not in ("auto", "sampled", "exact"):
+        if o.fisher not in (None, "auto", "sampled", "exact"):
             raise ConfigError("method.fisher", f"unknown Fisher {o.fisher!r}", "use 'auto', 'exact' or 'sampled'")
         if o.fisher_samples < 1:
             raise ConfigError("method.fisher_samples", f"fisher_samples={o.fisher_samples}", "draw at least 1 target per example")
-        self.fisher, self.fisher_samples, self.seed = o.fisher, o.fisher_samples, o.seed
+        self.fisher: FisherKind = o.fisher or "auto"  # None, as the library accepted before, is auto
+        self.fisher_samples, self.seed = o.fisher_samples, o.seed
         return [p for layer in self.layers for p in layer.param_names]
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
