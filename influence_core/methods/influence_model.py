@@ -118,13 +118,7 @@ class InfluenceFunctionModel(ABC):
         given = options if regularization is None else {"regularization": regularization, **options}
         self.options = parse_options(self.Options, self.name, given)
         task = resolve_task(loss)
-        self._setup(model, task, self.param_names(model, task))
-
-    def param_names(self, model: nn.Module, task: Task) -> list[str] | None:
-        """The parameters attributed; None: those of the task's (or the options') modules."""
-        return None
-
-    def _setup(self, model: nn.Module, task: Task, param_names: Iterable[str] | None) -> None:
+        param_names = self.attributed_names(model, task)
         o = self.options
         modules = task.modules if o.modules is None else o.modules
         projection: Projection | None = getattr(o, "projection", None) if self.projected_curvature else None
@@ -153,6 +147,11 @@ class InfluenceFunctionModel(ABC):
         self._split: GradientSplit | None = None
         self._basis: Rows | None = None
         self._fitted = False
+
+    def attributed_names(self, model: nn.Module, task: Task) -> list[str] | None:
+        """The names of the parameters a method attributes by its own rule; None: those of the options' (or the
+        task's) modules, or of the projected layers."""
+        return None
 
     def attributed_parameters(self) -> dict[str, dict[str, Any]]:
         """Which of the model's parameters the scores are taken over: included, excluded (outside `modules` or the

@@ -173,8 +173,8 @@ class KfacInfluence(InfluenceFunctionModel):
     eigen_correction = False
     row_order = "matrix"
 
-    def param_names(self, model: nn.Module, task: Task) -> list[str]:
-        """The tracked layers' parameters; the projection, if any, is built on the same layers."""
+    def attributed_names(self, model: nn.Module, task: Task) -> list[str]:
+        """The tracked layers' parameters (the layers chosen, and the Fisher options checked, here)."""
         o = self.options
         self.layers = select_layers(model, task.modules if o.modules is None else o.modules)
         if o.query_rank is not None and o.projection is not None:
