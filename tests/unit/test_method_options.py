@@ -95,3 +95,16 @@ def test_spec_builds_the_class_with_its_options():
     assert isinstance(im, CgInfluence) and im.options == CgInfluence.Options(rtol=1e-9, preconditioner="jacobi")
     x, y = torch.randn(20, 3, dtype=torch.float64), torch.randint(0, 2, (20,))
     assert set(im.fit((x, y)).state_dict()) == {"all/diagonal"}  # the key stored preconditioners are read back by
+
+
+@pytest.mark.parametrize("preconditioner, keys", [("jacobi", {"all/diagonal"}), ("nystroem", {"all/eigenvalues", "all/basis"})])
+def test_preconditioner_state_keys_and_reload(preconditioner, keys):
+    """The preconditioner objects store what CgSolver stored before (so stored states still load), and a reloaded
+    state scores bit for bit as the fitted one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(20, 3, dtype=torch.float64), torch.randint(0, 2, (20,))
+    fitted = CgInfluence(model, "cross_entropy", 1e-2, preconditioner=preconditioner, preconditioner_rank=4).fit((x, y))
+    assert set(fitted.state_dict()) == keys
+    loaded = CgInfluence(model, "cross_entropy", 1e-2, preconditioner=preconditioner, preconditioner_rank=4).load_state_dict(fitted.state_dict(), (x, y))
+    assert torch.equal(loaded.influences(x[:3], y[:3], x, y), fitted.influences(x[:3], y[:3], x, y))
