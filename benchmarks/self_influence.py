@@ -65,7 +65,7 @@ def methods(model: nn.Module) -> dict[str, object]:
         "lissa": LissaInfluence(model, "cross_entropy", LAM, second_order_mode="gauss_newton", depth=200, lissa_batch_size=256, scale=20.0, **common),
         "arnoldi (r=32)": ArnoldiInfluence(model, "cross_entropy", LAM, second_order_mode="gauss_newton", rank=32, **common),
         "nystroem (r=32)": NystroemSketchInfluence(model, "cross_entropy", LAM, second_order_mode="gauss_newton", rank=32, **common),
-        "datainf": DataInfInfluence(model, "cross_entropy", LAM, **common),
+        "datainf": DataInfInfluence(model, "cross_entropy", LAM, block_structure="full", **common),
         "identity": IdentityInfluence(model, "cross_entropy", **common),
         "ekfac": EkfacInfluence(model, "cross_entropy", LAM, **common),
     }

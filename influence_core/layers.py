@@ -22,7 +22,7 @@ from .noise import ExampleNoise
 from .task import Task
 
 LAYER_TYPES = ("Linear", "Conv2d", "Conv1D")  # Conv1D: transformers' transposed linear layer (GPT-2's projections)
-FisherKind = Literal["auto", "sampled", "exact"]
+FisherKind = Literal["auto", "exact", "sampled"]
 EXACT_FISHER_MAX_PASSES = 64  # "auto" takes the exact expectation up to this many backward passes per example, samples above
 
 

@@ -9,6 +9,19 @@ from .kfac import EkfacInfluence, KfacInfluence
 from .lissa import LissaInfluence
 from .lowrank import ArnoldiInfluence, NystroemSketchInfluence
 
+# Every method, in the order the parameter form offers them; adding a method is its file and a line here.
+METHODS: tuple[type[InfluenceFunctionModel], ...] = (
+    DirectInfluence,
+    CgInfluence,
+    LissaInfluence,
+    ArnoldiInfluence,
+    NystroemSketchInfluence,
+    DataInfInfluence,
+    IdentityInfluence,
+    KfacInfluence,
+    EkfacInfluence,
+)
+
 __all__ = [
     "ArnoldiInfluence",
     "BlockSolver",
@@ -20,5 +33,6 @@ __all__ = [
     "KfacInfluence",
     "InfluenceFunctionModel",
     "LissaInfluence",
+    "METHODS",
     "NystroemSketchInfluence",
 ]

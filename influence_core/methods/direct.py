@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -9,6 +10,12 @@ import torch
 from ..blocks import BlockCurvature
 from ..errors import RegularizationError
 from .influence_model import BlockSolver, InfluenceFunctionModel
+from .options import CurvatureOptions, ProjectedOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class DirectOptions(CurvatureOptions, ProjectedOptions):
+    """The shared curvature options, and an optional projection (TRAK)."""
 
 
 class DirectSolver(BlockSolver):
@@ -50,6 +57,9 @@ class DirectInfluence(InfluenceFunctionModel):
     parameters and as the reference the other methods are checked against."""
 
     name = "direct"
+    title = "Direct (exact; TRAK with a projection)"
+    summary = "Explicit curvature and Cholesky solve: exact, for up to a few thousand parameters; with a projection, TRAK's (XᵀX/n + λI)⁻¹ in the projected space."
+    Options = DirectOptions
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return DirectSolver(curvature, lam)

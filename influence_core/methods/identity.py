@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..blocks import BlockCurvature
 from ..self_influence import SelfInfluencePlan, Sketch
 from .influence_model import BlockSolver, InfluenceFunctionModel
+from .options import MethodOptions, ProjectedOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdentityOptions(MethodOptions, ProjectedOptions):
+    """No λ and no curvature options: there is no curvature."""
 
 
 class IdentitySolver(BlockSolver):
@@ -22,6 +30,9 @@ class IdentityInfluence(InfluenceFunctionModel):
     """
 
     name = "identity"
+    title = "Gradient dot product"
+    summary = "Gradient dot product: no curvature."
+    Options = IdentityOptions
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return IdentitySolver(curvature, lam)

@@ -30,6 +30,7 @@ from ..projection import Projection, Projector, project_batch
 from ..self_influence import SelfInfluenceMode, SelfInfluencePlan, Sketch, Solve, auto_rank, eigen_sketch
 from ..task import LossFn, Task, resolve_task
 from .feature_covariance import FeatureCovariance
+from .options import MethodOptions, parse_options
 from .scorer import Scorer
 
 SKETCH_SEED = 0
@@ -97,7 +98,11 @@ class InfluenceFunctionModel(ABC):
     """
 
     name: ClassVar[str]
-    supports_projection: ClassVar[bool] = True
+    title: ClassVar[str]  # the method's name in the parameter form
+    summary: ClassVar[str]  # one line on what it does, under the form's method choice
+    Options: ClassVar[type[MethodOptions]]  # its typed options, with their defaults: the one place they are declared
+    fixed_block_structure: ClassVar[BlockStructure] = "full"  # the blocks of a method whose options do not choose them
+    projected_curvature: ClassVar[bool] = True  # a projection takes the curvature into the projected space (TRAK)
     # torch.func.functional_call swaps tensors on the module during a call, so one module must not serve
     # two threads at once; a method that avoids this may declare itself thread-safe.
     thread_safe: ClassVar[bool] = False
@@ -108,48 +113,45 @@ class InfluenceFunctionModel(ABC):
     row_order: ClassVar[RowOrder] = "parameters"  # how a layer's columns lie in a factor row
     cheap_solve: ClassVar[bool] = False  # whether `auto` self-influence may solve once per training example
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss: Task | LossFn | str,
-        regularization: Regularization = 1e-3,
-        *,
-        second_order_mode: SecondOrderMode = "hessian",
-        block_structure: BlockStructure = "full",
-        modules: Iterable[str] | None = None,
-        projection: Projection | None = None,
-        param_names: Iterable[str] | None = None,
-        batch_size: int = 128,
-        query_rank: int | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, loss: Task | LossFn | str, regularization: Regularization | None = None, **options: Any) -> None:
+        """`options` are the fields of the method's `Options` (pyDVL-style keywords); `regularization` is λ."""
+        given = options if regularization is None else {"regularization": regularization, **options}
+        self.options = parse_options(self.Options, self.name, given)
         task = resolve_task(loss)
-        modules = task.modules if modules is None else modules
+        param_names = self.attributed_names(model, task)
+        o = self.options
+        modules = task.modules if o.modules is None else o.modules
+        projection: Projection | None = getattr(o, "projection", None) if self.projected_curvature else None
+        block_structure: BlockStructure = getattr(o, "block_structure", self.fixed_block_structure)
         self.projector: Projector | None = None
         self.feature_space = projection is not None  # curvature taken in the projected space (TRAK-style)
         if projection is not None:
-            if not self.supports_projection:
-                raise ConfigError("method.projection", f"{self.name} works on full gradients", "use direct (TRAK), identity, cg, arnoldi, nystroem, datainf or ekfac with a projection")
             layers = select_layers(model, modules)
             self.projector = projection.build(layers)
             param_names = [p for layer in layers for p in layer.param_names]
         elif param_names is None:
             param_names = module_param_names(model, modules)
-        if query_rank is not None and (query_rank < 1 or projection is not None):
-            raise ConfigError("method.query_rank", f"query_rank={query_rank} with projection={projection}", "use a positive rank, without a projection (projected factors are already small)")
-        self.query_rank = query_rank
+        if o.query_rank is not None and (o.query_rank < 1 or projection is not None):
+            raise ConfigError("method.query_rank", f"query_rank={o.query_rank} with projection={projection}", "use a positive rank, without a projection (projected factors are already small)")
+        self.query_rank = o.query_rank
         self.objective = Objective(model, task, param_names)
         self.excluded_parameters = [n for n, p in model.named_parameters() if p.requires_grad and n not in self.objective.space.params]
         self.frozen_parameters = [n for n, p in model.named_parameters() if not p.requires_grad]  # never attributed
         self.blocks = self._feature_blocks(block_structure) if self.projector else make_blocks(self.objective.space, block_structure)
-        self.regularization = block_regularization(self.blocks, regularization, self.needs_positive_regularization, self.name)
-        self.second_order_mode = second_order_mode
+        self.regularization = block_regularization(self.blocks, getattr(o, "regularization", 0.0), self.needs_positive_regularization, self.name)
+        self.second_order_mode: SecondOrderMode = getattr(o, "second_order_mode", "gauss_newton")
         self.block_structure = block_structure
-        self.batch_size = batch_size
+        self.batch_size = o.batch_size
         self.train: Batches | None = None
         self.solvers: dict[str, BlockSolver] = {}
         self._split: GradientSplit | None = None
         self._basis: Rows | None = None
         self._fitted = False
+
+    def attributed_names(self, model: nn.Module, task: Task) -> list[str] | None:
+        """The names of the parameters a method attributes by its own rule; None: those of the options' (or the
+        task's) modules, or of the projected layers."""
+        return None
 
     def attributed_parameters(self) -> dict[str, dict[str, Any]]:
         """Which of the model's parameters the scores are taken over: included, excluded (outside `modules` or the

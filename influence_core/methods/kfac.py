@@ -11,22 +11,23 @@ size exposes. The factor sums are streamed batch by batch and add up, so they ca
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
 from torch import nn
 
 from ..batches import Batches, Data
-from ..blocks import BlockCurvature, Regularization
+from ..blocks import BlockCurvature
 from ..contraction import Batch
 from ..errors import ConfigError
 from ..layers import Capture, FisherKind, TrackedLayer, capture, outer_gradients, select_layers
 from ..noise import ExampleNoise
 from ..objective import Objective
-from ..projection import Projection
 from ..self_influence import Diagonal, SelfInfluencePlan
-from ..task import LossFn, Task, resolve_task
+from ..task import Task
 from .influence_model import BlockSolver, InfluenceFunctionModel
+from .options import DampedOptions, MethodOptions, ProjectedOptions, option
 
 Sums = dict[str, dict[str, torch.Tensor]]
 ROW_BUDGET_BYTES = 256 * 2**20  # per-example gradient matrices are formed this many bytes at a time
@@ -133,6 +134,18 @@ class KroneckerSolver(BlockSolver):
         return features / self.damped(features.dtype).reshape(-1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class KfacOptions(MethodOptions, DampedOptions, ProjectedOptions):
+    """K-FAC's and EK-FAC's options: always Gauss-Newton and layer-wise, so only λ and the Fisher's targets."""
+
+    fisher: FisherKind = option(
+        "auto", "Fisher",
+        "exact: the expectation over the outputs, one backward pass per output; sampled: targets drawn from the model (seeded), fisher_samples per example; auto: exact up to 64 outputs per example, sampled above.",
+    )
+    fisher_samples: int = option(1, "Samples per example", "Targets drawn per example for the sampled Fisher, one backward pass each; the sampling variance falls as 1/samples.", ge=1)
+    seed: int = option(0, "Seed", "Seed of the sampled targets.")
+
+
 class KfacInfluence(InfluenceFunctionModel):
     """Kronecker-factored Gauss-Newton influence over chosen Linear and Conv2d layers (all of them by default).
 
@@ -145,37 +158,34 @@ class KfacInfluence(InfluenceFunctionModel):
     """
 
     name = "kfac"
+    title = "K-FAC"
+    summary = "K-FAC: Kronecker-factored Gauss-Newton per Linear/Conv2d layer (always layer-wise)."
+    Options = KfacOptions
+    options: KfacOptions
+    fixed_block_structure = "layer_wise"
+    projected_curvature = False  # a projection compresses the whitened gradients instead (LoGra)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        projection = self.options.projection
+        self.projector = projection.build(self.layers) if projection is not None else None
     needs_positive_regularization = True  # factor eigenvalues reach 0 (dead units, unused inputs): λ = 0 divides by them
     eigen_correction = False
     row_order = "matrix"
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss: Task | LossFn | str,
-        regularization: Regularization = 1e-3,
-        *,
-        modules: Iterable[str] | None = None,
-        projection: Projection | None = None,
-        fisher: FisherKind | None = "auto",
-        fisher_samples: int = 1,
-        seed: int = 0,
-        batch_size: int = 128,
-        query_rank: int | None = None,
-    ) -> None:
-        loss = resolve_task(loss)
-        self.layers = select_layers(model, loss.modules if modules is None else modules)
-        names = [p for layer in self.layers for p in layer.param_names]
-        if query_rank is not None and projection is not None:
+    def attributed_names(self, model: nn.Module, task: Task) -> list[str]:
+        """The tracked layers' parameters (the layers chosen, and the Fisher options checked, here)."""
+        o = self.options
+        self.layers = select_layers(model, task.modules if o.modules is None else o.modules)
+        if o.query_rank is not None and o.projection is not None:
             raise ConfigError("method.query_rank", "query_rank with a projection", "leave query_rank empty: projected factors are already small")
-        super().__init__(model, loss, regularization, second_order_mode="gauss_newton", block_structure="layer_wise", param_names=names, batch_size=batch_size, query_rank=query_rank)
-        self.projector = projection.build(self.layers) if projection is not None else None
-        if fisher not in (None, "auto", "sampled", "exact"):
-            raise ConfigError("method.fisher", f"unknown Fisher {fisher!r}", "use 'auto', 'exact' or 'sampled'")
-        if fisher_samples < 1:
-            raise ConfigError("method.fisher_samples", f"fisher_samples={fisher_samples}", "draw at least 1 target per example")
-        self.fisher: FisherKind = fisher or "auto"
-        self.fisher_samples, self.seed = fisher_samples, seed
+        if o.fisher not in (None, "auto", "sampled", "exact"):
+            raise ConfigError("method.fisher", f"unknown Fisher {o.fisher!r}", "use 'auto', 'exact' or 'sampled'")
+        if o.fisher_samples < 1:
+            raise ConfigError("method.fisher_samples", f"fisher_samples={o.fisher_samples}", "draw at least 1 target per example")
+        self.fisher: FisherKind = o.fisher or "auto"  # None, as the library accepted before, is auto
+        self.fisher_samples, self.seed = o.fisher_samples, o.seed
+        return [p for layer in self.layers for p in layer.param_names]
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return KroneckerSolver(curvature, lam, next(layer for layer in self.layers if layer.block == curvature.name))
@@ -264,8 +274,16 @@ def kfac_eigenvalues(values: dict[str, Any]) -> torch.Tensor:
     return torch.outer(lam_s, lam_a)
 
 
+@dataclass(frozen=True, kw_only=True)
+class EkfacOptions(KfacOptions):
+    """EK-FAC takes K-FAC's options."""
+
+
 class EkfacInfluence(KfacInfluence):
     """K-FAC's eigenbasis with eigenvalues fitted to the gradients' actual second moments (Kronfluence's default)."""
 
     name = "ekfac"
+    title = "EK-FAC"
+    summary = "EK-FAC: K-FAC's eigenbasis with corrected eigenvalues (Kronfluence's default); with projection, LoGra-style."
+    Options = EkfacOptions
     eigen_correction = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -10,6 +12,18 @@ from ..blocks import BlockCurvature
 from ..errors import NumericalError
 from ..reduction import pairwise_sum
 from .influence_model import BlockSolver, InfluenceFunctionModel
+from .options import CurvatureOptions, option
+
+
+@dataclass(frozen=True, kw_only=True)
+class LissaOptions(CurvatureOptions):
+    depth: int = option(1000, "Recursion depth J", "Steps of the recursion per repeat.", ge=1)
+    repeats: int = option(1, "Repeats T", "Independent recursions averaged.", ge=1)
+    lissa_batch_size: int = option(64, "Batch size B", "Training examples per curvature sample.", ge=1)
+    scale: float = option(10.0, "Scale", "Must exceed the largest eigenvalue of C + λI; raise it when LiSSA diverges.", gt=0)
+    damping: float = option(0.0, "Damping", "Shrinks the recursion; adds damping·scale to λ.", ge=0, lt=1)
+    rtol: float = option(1e-4, "Convergence tolerance", "Stop when every relative residual of the batch system falls below this.", gt=0)
+    seed: int = option(0, "Seed", "Seed of the batch sampling.")
 
 
 class LissaSolver(BlockSolver):
@@ -17,10 +31,10 @@ class LissaSolver(BlockSolver):
     estimate is h / s. Converges when s exceeds the largest eigenvalue of C + λI; damping d adds d·s to λ.
     """
 
-    def __init__(self, curvature: BlockCurvature, lam: float, depth: int, repeats: int, lissa_batch_size: int, scale: float, damping: float, rtol: float, seed: int) -> None:
+    def __init__(self, curvature: BlockCurvature, lam: float, options: LissaOptions) -> None:
         super().__init__(curvature, lam)
-        self.depth, self.repeats, self.batch_size = depth, repeats, lissa_batch_size
-        self.scale, self.damping, self.rtol, self.seed = scale, damping, rtol, seed
+        self.depth, self.repeats, self.batch_size = options.depth, options.repeats, options.lissa_batch_size
+        self.scale, self.damping, self.rtol, self.seed = options.scale, options.damping, options.rtol, options.seed
         self.iterations: list[int] = []
 
     def _one_run(self, v: torch.Tensor, sampler: BatchSampler) -> torch.Tensor:
@@ -68,30 +82,18 @@ class LissaInfluence(InfluenceFunctionModel):
     """
 
     name = "lissa"
+    title = "LiSSA"
+    summary = "LiSSA: stochastic Neumann series (FastIF's J, T, B knobs)."
+    Options = LissaOptions  # no projection: its stochastic steps need curvature products of single batches
+    options: LissaOptions
     needs_positive_regularization = True  # along the curvature's null space the recursion grows without bound at λ = 0
-    supports_projection = False  # its stochastic steps need curvature products of single batches
-
-    def __init__(
-        self,
-        *args,
-        depth: int = 1000,
-        repeats: int = 1,
-        lissa_batch_size: int = 64,
-        scale: float = 10.0,
-        damping: float = 0.0,
-        rtol: float = 1e-4,
-        seed: int = 0,
-        **kwargs,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.options = (depth, repeats, lissa_batch_size, scale, damping, rtol, seed)
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
-        return LissaSolver(curvature, lam, *self.options)
+        return LissaSolver(curvature, lam, self.options)
 
     @property
     def repeats(self) -> int:
-        return self.options[1]
+        return self.options.repeats
 
     def repeat_factors(self, x: torch.Tensor, y: torch.Tensor, index: int) -> torch.Tensor:
         """Repeat `index`'s term of the dense query factors (n_test, p'); the terms of repeats 0..T-1, added in

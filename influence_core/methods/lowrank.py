@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from ..blocks import BlockCurvature
@@ -9,6 +12,24 @@ from ..errors import ConfigError
 from ..spectral import hutchinson_trace, lanczos, nystroem
 from ..self_influence import Diagonal, SelfInfluencePlan, Sketch, eigen_sketch
 from .influence_model import BlockSolver, InfluenceFunctionModel
+from .options import CurvatureOptions, ProjectedOptions, option
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArnoldiOptions(CurvatureOptions, ProjectedOptions):
+    rank: int = option(10, "Rank", "Eigenpairs kept (at most p).", ge=1)
+    krylov_dim: int | None = option(None, "Krylov dimension", "Size of the Krylov space (≥ rank; empty: 2·rank).", ge=1)
+    seed: int = option(0, "Seed", "Seed of the starting vector.")
+    complement: bool = option(
+        False, "Keep the complement",
+        "Also keep the space outside the top eigenbasis, weighted 1/(mean remaining eigenvalue + λ), as Nyström does; off: that space is dropped (scores in rank-r space).",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class NystroemOptions(CurvatureOptions, ProjectedOptions):
+    rank: int = option(10, "Rank", "Sketch size (at most p).", ge=1)
+    seed: int = option(0, "Seed", "Seed of the sketch.")
 
 
 def check_rank(rank: int, dim: int) -> int:
@@ -32,11 +53,11 @@ class ArnoldiSolver(BlockSolver):
     V (its trace by Hutchinson on the deflated operator, `krylov_dim` probes): without it, the directions that
     dominate (C + λI)⁻¹, those of small curvature, are dropped altogether."""
 
-    def __init__(self, curvature: BlockCurvature, lam: float, rank: int, krylov_dim: int | None, seed: int, complement: bool = False) -> None:
+    def __init__(self, curvature: BlockCurvature, lam: float, options: ArnoldiOptions) -> None:
         super().__init__(curvature, lam)
-        self.rank = min(rank, curvature.dim)  # layer_wise: a small layer is kept whole
-        self.krylov_dim = max(krylov_dim or 2 * rank, self.rank)
-        self.seed, self.complement = seed, complement
+        self.rank = min(options.rank, curvature.dim)  # layer_wise: a small layer is kept whole
+        self.krylov_dim = max(options.krylov_dim or 2 * options.rank, self.rank)
+        self.seed, self.complement = options.seed, options.complement
         self.complement_weight = 0.0
 
     @property
@@ -73,10 +94,10 @@ class NystroemSolver(BlockSolver):
     """C ≈ U diag(Λ) Uᵀ from a one-pass randomised sketch; (C + λI)⁻¹ by Woodbury, complement included:
     U diag(1/(Λ+λ)) Uᵀ + (I − UUᵀ)/λ."""
 
-    def __init__(self, curvature: BlockCurvature, lam: float, rank: int, seed: int) -> None:
+    def __init__(self, curvature: BlockCurvature, lam: float, options: NystroemOptions) -> None:
         super().__init__(curvature, lam)
-        self.rank = min(rank, curvature.dim)
-        self.seed = seed
+        self.rank = min(options.rank, curvature.dim)
+        self.seed = options.seed
 
     def fit(self) -> None:
         c = self.curvature
@@ -101,22 +122,26 @@ class ArnoldiInfluence(InfluenceFunctionModel):
     """
 
     name = "arnoldi"
+    title = "Arnoldi"
+    summary = "Top eigenbasis of the curvature by Arnoldi/Lanczos; scores in rank-r space."
+    Options = ArnoldiOptions
+    options: ArnoldiOptions
 
-    def __init__(self, *args, rank: int = 10, krylov_dim: int | None = None, seed: int = 0, complement: bool = False, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("query_rank") is not None:
             raise ConfigError("method.query_rank", "Arnoldi's query factors already live in its rank-r eigenbasis", "leave query_rank empty with arnoldi")
         super().__init__(*args, **kwargs)
-        self.rank, self.krylov_dim, self.seed, self.complement = check_rank(rank, self.feature_dim), krylov_dim, seed, complement
+        rank, krylov_dim = check_rank(self.options.rank, self.feature_dim), self.options.krylov_dim
         if krylov_dim is not None and krylov_dim < rank:
             raise ConfigError("method.krylov_dim", f"krylov_dim={krylov_dim} is below rank={rank}", "use krylov_dim >= rank (about 2·rank is usual)")
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
-        return ArnoldiSolver(curvature, lam, self.rank, self.krylov_dim, self.seed, self.complement)
+        return ArnoldiSolver(curvature, lam, self.options)
 
     def _exact_self_plan(self) -> SelfInfluencePlan:
         """Diagonal in the eigenbasis: Σ_k (v_kᵀ g)² / (μ_k + λ), exact for the rank-r model; with the complement,
         the sketch form: that plus c (‖g‖² − Σ_k (v_kᵀ g)²)."""
-        if self.complement:
+        if self.options.complement:
             parts = [(s.vectors.T, s.inverse_eigenvalues(), s.complement_weight) for s in self.solvers.values()]  # type: ignore[attr-defined]
             return Sketch.from_blocks(parts, self._feature_slices(), self.feature_dim)
         return Diagonal({"features": torch.cat([s.inverse_eigenvalues() for s in self.solvers.values()])})  # type: ignore[attr-defined]
@@ -126,14 +151,18 @@ class NystroemSketchInfluence(InfluenceFunctionModel):
     """Randomised Nyström low-rank curvature plus λ on the complement; exact at full rank. Needs λ > 0."""
 
     name = "nystroem"
+    title = "Nyström sketch"
+    summary = "Randomised Nyström sketch of the curvature, λ on the complement."
+    Options = NystroemOptions
+    options: NystroemOptions
     needs_positive_regularization = True
 
-    def __init__(self, *args, rank: int = 10, seed: int = 0, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.rank, self.seed = check_rank(rank, self.feature_dim), seed
+        check_rank(self.options.rank, self.feature_dim)
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
-        return NystroemSolver(curvature, lam, self.rank, self.seed)
+        return NystroemSolver(curvature, lam, self.options)
 
     def _exact_self_plan(self) -> SelfInfluencePlan:
         """The method's own inverse is a sketch: its eigenpairs, and 1/λ on the complement."""

@@ -6,10 +6,12 @@ refuses values out of range.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from torch import nn
@@ -21,18 +23,8 @@ from .losses import LossName
 from .transformer import TokenTransformer
 from ..projection import Projection
 from ..task import BUILTIN, Classification, Task
-from ..methods import (
-    ArnoldiInfluence,
-    CgInfluence,
-    DataInfInfluence,
-    DirectInfluence,
-    EkfacInfluence,
-    IdentityInfluence,
-    InfluenceFunctionModel,
-    KfacInfluence,
-    LissaInfluence,
-    NystroemSketchInfluence,
-)
+from ..methods import METHODS, InfluenceFunctionModel
+from ..methods.options import group_fields
 
 
 def plain_optional(schema: dict[str, Any]) -> None:
@@ -330,13 +322,7 @@ class ProjectionSpec(Spec):
 
 
 class MethodBase(Spec):
-    batch_size: int = Field(256, ge=1, title="Batch size", description="Examples per vectorised gradient or curvature product; bounds memory.")
-    modules: list[str] | None = Field(None, title="Modules", description="Restrict influence to these modules' parameters (names as in model.named_modules(), e.g. the last layers); empty: all.")
-    query_rank: int | None = Field(
-        None, ge=1, title="Query factor rank",
-        description="Keep each query's preconditioned gradient per Linear/Conv2d layer as a rank-r product (Kronfluence's query_gradient_low_rank): "
-        "less memory, and r·(out+in) instead of out·in per scored pair when that is smaller. Empty: full rank. Not with a projection or arnoldi.",
-    )
+    """A method's settings: each method's spec is derived from its library class's options (`method_spec`)."""
 
     def build(self, model: nn.Module, loss: Task | str) -> InfluenceFunctionModel:
         """The influence model for these settings, not yet fitted."""
@@ -347,119 +333,57 @@ class MethodBase(Spec):
         return METHOD_CLASSES[self.name](model, loss, **options)  # type: ignore[attr-defined]
 
 
-class Projected(Spec):
-    projection: ProjectionSpec | None = Field(None, title="Gradient projection", description="Compress gradients to a few coordinates per layer (TRAK, LoGra); the curvature is then taken in the projected space.")
+SPEC_TYPES: dict[Any, Any] = {Projection: ProjectionSpec}  # library option types the form shows as settings of their own
 
 
-class Damped(Spec):
-    regularization: Union[Annotated[float, Field(ge=0)], dict[str, Annotated[float, Field(ge=0)]]] = Field(
-        1e-3, title="λ (damping)", description="Added to the curvature: scores use (C + λI)⁻¹. A number, or one per layer (a dict keyed by module name) with block_structure=layer_wise."
-    )
+def option_type(hint: Any, bounds: dict[str, Any]) -> Any:
+    """The pydantic type of a library option: library types as their specs, the bounds on every number it holds."""
+    if hint in SPEC_TYPES:
+        return SPEC_TYPES[hint]
+    if hint in (int, float):
+        return Annotated[hint, Field(**bounds)] if bounds else hint
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        return Union[tuple(option_type(arg, bounds) for arg in args)]
+    if origin is dict:
+        return dict[args[0], option_type(args[1], bounds)]  # type: ignore[valid-type]
+    return hint
 
 
-class CurvatureMethod(MethodBase, Damped):
-    second_order_mode: Literal["hessian", "gauss_newton"] = Field("gauss_newton", title="Curvature", description="hessian: exact Hessian of the mean loss; gauss_newton: its positive semi-definite Gauss-Newton part.")
-    block_structure: Literal["full", "layer_wise"] = Field("full", title="Blocks", description="full: the whole curvature; layer_wise: block-diagonal, one block per layer.")
+def method_spec(method: type[InfluenceFunctionModel]) -> type[MethodBase]:
+    """The spec of a library method, derived from its options dataclass: the shared groups' fields, the `name` tag,
+    then the method's own fields, each with the dataclass field's default, title, description and bounds."""
+    hints, shared = get_type_hints(method.Options), group_fields()
+    tag = Field(method.name, title="Method", description=method.summary)
+    annotations: dict[str, Any] = {}
+    namespace: dict[str, Any] = {}
+    for option in dataclasses.fields(method.Options):
+        if option.name not in shared and "name" not in annotations:
+            annotations["name"], namespace["name"] = Literal[method.name], tag
+        bounds = {k: v for k, v in option.metadata.items() if k not in ("title", "description")}
+        annotations[option.name] = option_type(hints[option.name], bounds)
+        namespace[option.name] = Field(option.default, title=option.metadata["title"], description=option.metadata["description"])
+    if "name" not in annotations:
+        annotations["name"], namespace["name"] = Literal[method.name], tag
+    class_name = method.Options.__name__.removesuffix("Options") + "Method"
+    body = {"__annotations__": annotations, "__module__": __name__, "__qualname__": class_name, "model_config": ConfigDict(title=method.title), **namespace}
+    return type(class_name, (MethodBase,), body)
 
 
-class DirectMethod(CurvatureMethod, Projected):
-    model_config = ConfigDict(title="Direct (exact; TRAK with a projection)")
+METHOD_CLASSES: dict[str, type[InfluenceFunctionModel]] = {method.name: method for method in METHODS}
+METHOD_SPECS: dict[str, type[MethodBase]] = {method.name: method_spec(method) for method in METHODS}
+# The specs by name, for importers (the classes are built above, so these names are what pickle finds).
+DirectMethod = METHOD_SPECS["direct"]
+CgMethod = METHOD_SPECS["cg"]
+LissaMethod = METHOD_SPECS["lissa"]
+ArnoldiMethod = METHOD_SPECS["arnoldi"]
+NystroemMethod = METHOD_SPECS["nystroem"]
+DataInfMethod = METHOD_SPECS["datainf"]
+IdentityMethod = METHOD_SPECS["identity"]
+KfacMethod = METHOD_SPECS["kfac"]
+EkfacMethod = METHOD_SPECS["ekfac"]
 
-    name: Literal["direct"] = Field("direct", title="Method", description="Explicit curvature and Cholesky solve: exact, for up to a few thousand parameters; with a projection, TRAK's (XᵀX/n + λI)⁻¹ in the projected space.")
-
-
-class CgMethod(CurvatureMethod, Projected):
-    model_config = ConfigDict(title="Conjugate gradients")
-
-    name: Literal["cg"] = Field("cg", title="Method", description="Conjugate gradients on matrix-free curvature products.")
-    rtol: float = Field(1e-6, gt=0, lt=1, title="Relative tolerance", description="Stop each system when its residual falls below rtol·|b|.")
-    maxiter: int | None = Field(None, ge=1, title="Max iterations", description="Iteration cap per solve (empty: 10·p).")
-    preconditioner: Literal["none", "jacobi", "nystroem"] = Field("none", title="Preconditioner", description="jacobi: Hutchinson estimate of the diagonal; nystroem: low-rank Nyström sketch.")
-    preconditioner_rank: int = Field(20, ge=1, title="Preconditioner rank", description="Rank of the Nyström preconditioner.")
-    hutchinson_probes: int = Field(32, ge=1, title="Hutchinson probes", description="Random probes for the Jacobi diagonal estimate.")
-    seed: int = Field(0, title="Seed", description="Seed of the preconditioner's random sketch or probes.")
-    block: bool = Field(True, title="Block CG", description="Solve a chunk's queries together in one shared Krylov space (far fewer iterations); off: one independent CG per query.")
-
-
-class LissaMethod(CurvatureMethod):
-    model_config = ConfigDict(title="LiSSA")
-
-    name: Literal["lissa"] = Field("lissa", title="Method", description="LiSSA: stochastic Neumann series (FastIF's J, T, B knobs).")
-    depth: int = Field(1000, ge=1, title="Recursion depth J", description="Steps of the recursion per repeat.")
-    repeats: int = Field(1, ge=1, title="Repeats T", description="Independent recursions averaged.")
-    lissa_batch_size: int = Field(64, ge=1, title="Batch size B", description="Training examples per curvature sample.")
-    scale: float = Field(10.0, gt=0, title="Scale", description="Must exceed the largest eigenvalue of C + λI; raise it when LiSSA diverges.")
-    damping: float = Field(0.0, ge=0, lt=1, title="Damping", description="Shrinks the recursion; adds damping·scale to λ.")
-    rtol: float = Field(1e-4, gt=0, title="Convergence tolerance", description="Stop when every relative residual of the batch system falls below this.")
-    seed: int = Field(0, title="Seed", description="Seed of the batch sampling.")
-
-
-class ArnoldiMethod(CurvatureMethod, Projected):
-    model_config = ConfigDict(title="Arnoldi")
-
-    name: Literal["arnoldi"] = Field("arnoldi", title="Method", description="Top eigenbasis of the curvature by Arnoldi/Lanczos; scores in rank-r space.")
-    rank: int = Field(10, ge=1, title="Rank", description="Eigenpairs kept (at most p).")
-    krylov_dim: int | None = Field(None, ge=1, title="Krylov dimension", description="Size of the Krylov space (≥ rank; empty: 2·rank).")
-    seed: int = Field(0, title="Seed", description="Seed of the starting vector.")
-    complement: bool = Field(
-        False, title="Keep the complement",
-        description="Also keep the space outside the top eigenbasis, weighted 1/(mean remaining eigenvalue + λ), as Nyström does; off: that space is dropped (scores in rank-r space).",
-    )
-
-
-class NystroemMethod(CurvatureMethod, Projected):
-    model_config = ConfigDict(title="Nyström sketch")
-
-    name: Literal["nystroem"] = Field("nystroem", title="Method", description="Randomised Nyström sketch of the curvature, λ on the complement.")
-    rank: int = Field(10, ge=1, title="Rank", description="Sketch size (at most p).")
-    seed: int = Field(0, title="Seed", description="Seed of the sketch.")
-
-
-class DataInfMethod(CurvatureMethod, Projected):
-    model_config = ConfigDict(title="DataInf")
-
-    name: Literal["datainf"] = Field("datainf", title="Method", description="DataInf: closed-form per-layer inverse of the empirical Fisher.")
-    block_structure: Literal["full", "layer_wise"] = Field("layer_wise", title="Blocks", description="DataInf is meant per layer.")
-
-
-class IdentityMethod(MethodBase, Projected):
-    model_config = ConfigDict(title="Gradient dot product")
-
-    name: Literal["identity"] = Field("identity", title="Method", description="Gradient dot product: no curvature.")
-
-
-class KfacMethod(MethodBase, Damped, Projected):
-    model_config = ConfigDict(title="K-FAC")
-
-    name: Literal["kfac"] = Field("kfac", title="Method", description="K-FAC: Kronecker-factored Gauss-Newton per Linear/Conv2d layer (always layer-wise).")
-    fisher: Literal["auto", "exact", "sampled"] = Field("auto", title="Fisher", description="exact: the expectation over the outputs, one backward pass per output; sampled: targets drawn from the model (seeded), fisher_samples per example; auto: exact up to 64 outputs per example, sampled above.")
-    fisher_samples: int = Field(1, ge=1, title="Samples per example", description="Targets drawn per example for the sampled Fisher, one backward pass each; the sampling variance falls as 1/samples.")
-    seed: int = Field(0, title="Seed", description="Seed of the sampled targets.")
-
-
-class EkfacMethod(KfacMethod):
-    model_config = ConfigDict(title="EK-FAC")
-
-    name: Literal["ekfac"] = Field("ekfac", title="Method", description="EK-FAC: K-FAC's eigenbasis with corrected eigenvalues (Kronfluence's default); with projection, LoGra-style.")
-
-
-METHOD_CLASSES: dict[str, type[InfluenceFunctionModel]] = {
-    "direct": DirectInfluence,
-    "cg": CgInfluence,
-    "lissa": LissaInfluence,
-    "arnoldi": ArnoldiInfluence,
-    "nystroem": NystroemSketchInfluence,
-    "datainf": DataInfInfluence,
-    "identity": IdentityInfluence,
-    "kfac": KfacInfluence,
-    "ekfac": EkfacInfluence,
-}
-
-MethodSpec = Annotated[
-    Union[DirectMethod, CgMethod, LissaMethod, ArnoldiMethod, NystroemMethod, DataInfMethod, IdentityMethod, KfacMethod, EkfacMethod],
-    Field(discriminator="name"),
-    _AnyOfSchema(),
-]
+MethodSpec = Annotated[Union[tuple(METHOD_SPECS.values())], Field(discriminator="name"), _AnyOfSchema()]
 
 
 # -- compute ---------------------------------------------------------------------------------------------

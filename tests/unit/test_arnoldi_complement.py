@@ -17,8 +17,8 @@ LAM, RANK = 1e-3, 20
 @pytest.fixture(scope="module")
 def problem():
     pr = mlp(n_train=200, n_test=10, hidden=8)
-    grads = DirectInfluence(pr.model, "cross_entropy", LAM).objective.per_sample_grads(pr.x_train, pr.y_train)
-    query = DirectInfluence(pr.model, "cross_entropy", LAM).objective.per_sample_grads(pr.x_test, pr.y_test)
+    grads = DirectInfluence(pr.model, "cross_entropy", LAM, second_order_mode="hessian").objective.per_sample_grads(pr.x_train, pr.y_train)
+    query = DirectInfluence(pr.model, "cross_entropy", LAM, second_order_mode="hessian").objective.per_sample_grads(pr.x_test, pr.y_test)
     direct = DirectInfluence(pr.model, "cross_entropy", LAM, second_order_mode="gauss_newton").fit(pr.train)
     curvature = direct.solvers["all"].factor @ direct.solvers["all"].factor.T - LAM * torch.eye(grads.shape[1], dtype=torch.float64)
     values, vectors = torch.linalg.eigh(curvature)
@@ -81,4 +81,4 @@ def test_the_pipeline_parameter_reaches_the_library(problem):
     pr = problem[0]
     on = ArnoldiMethod(regularization=LAM, rank=RANK, complement=True).build(pr.model, "cross_entropy")
     off = ArnoldiMethod(regularization=LAM, rank=RANK).build(pr.model, "cross_entropy")
-    assert (on.complement, off.complement) == (True, False)
+    assert (on.options.complement, off.options.complement) == (True, False)

@@ -65,7 +65,7 @@ def test_credentials_in_endpoint_url_are_refused():
 
 def test_negative_regularization_names_the_field():
     with pytest.raises(ConfigError, match="method.regularization"):
-        DirectInfluence(nn.Linear(2, 1), "mse", -1.0)
+        DirectInfluence(nn.Linear(2, 1), "mse", -1.0, second_order_mode="hessian")
 
 
 def test_non_differentiable_model_output():
@@ -78,7 +78,7 @@ def test_non_differentiable_model_output():
             return self.lin(x).detach()
 
     with pytest.raises(ConfigError, match="not differentiable"):
-        DirectInfluence(Rounded(), "cross_entropy").fit((torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))
+        DirectInfluence(Rounded(), "cross_entropy", second_order_mode="hessian").fit((torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))
 
 
 def test_weights_only_checkpoint_loading_refuses_pickled_objects(tmp_path):

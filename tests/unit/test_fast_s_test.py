@@ -32,11 +32,11 @@ def unit_sphere_regression(n: int = 40, n_test: int = 5) -> tuple[nn.Module, tor
 
 def test_single_example_lissa_averaged_over_repeats_converges_to_cg():
     model, x, y, x_test, y_test, closed = unit_sphere_regression()
-    cg = CgInfluence(model, "mse", LAM, rtol=1e-12).fit((x, y)).influence_factors(x_test, y_test)
+    cg = CgInfluence(model, "mse", LAM, rtol=1e-12, second_order_mode="hessian").fit((x, y)).influence_factors(x_test, y_test)
     torch.testing.assert_close(cg, closed, rtol=1e-10, atol=1e-12)
 
     def error(repeats: int) -> float:
-        im = LissaInfluence(model, "mse", LAM, depth=30, repeats=repeats, lissa_batch_size=1, scale=4.0 + LAM, rtol=1e-14).fit((x, y))
+        im = LissaInfluence(model, "mse", LAM, depth=30, repeats=repeats, lissa_batch_size=1, scale=4.0 + LAM, rtol=1e-14, second_order_mode="hessian").fit((x, y))
         return float((im.influence_factors(x_test, y_test) - cg).norm() / cg.norm())
 
     few, many = error(4), error(64)
@@ -47,7 +47,7 @@ def test_single_example_lissa_averaged_over_repeats_converges_to_cg():
 def test_repeats_are_independent_terms_of_the_average():
     """The factors are the in-order sum of the repeats' terms, each reproducible on its own (as a Dask task is)."""
     model, x, y, x_test, y_test, _ = unit_sphere_regression()
-    im = LissaInfluence(model, "mse", LAM, depth=30, repeats=3, lissa_batch_size=1, scale=4.0 + LAM).fit((x, y))
+    im = LissaInfluence(model, "mse", LAM, depth=30, repeats=3, lissa_batch_size=1, scale=4.0 + LAM, second_order_mode="hessian").fit((x, y))
     terms = [im.repeat_factors(x_test, y_test, r) for r in (2, 0, 1)]  # any order, any process
     assert not torch.equal(terms[0], terms[1])  # own seeds: distinct batches
     assert torch.equal(im.influence_factors(x_test, y_test), terms[1] + terms[2] + terms[0])

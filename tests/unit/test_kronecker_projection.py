@@ -137,7 +137,7 @@ def test_trak_projected_direct_solve_matches_its_formula():
     """Direct with a projection solves (XᵀX/n + λI)⁻¹ in the projected space, X = projected training gradients."""
     pr = mlp()
     projection = Projection("gaussian", dim=32, seed=2)
-    im = DirectInfluence(pr.model, pr.loss, 1e-3, projection=projection).fit(pr.train)
+    im = DirectInfluence(pr.model, pr.loss, 1e-3, projection=projection, second_order_mode="hessian").fit(pr.train)
     got = im.influences(pr.x_test, pr.y_test, *pr.train)
     layers = select_layers(pr.model)
     projector = projection.build(layers)
@@ -180,7 +180,7 @@ def test_identity_with_projection_approximates_gradient_dot_products():
         lambda pr: EkfacInfluence(pr.model, pr.loss, 1e-2),
         lambda pr: EkfacInfluence(pr.model, pr.loss, 1e-2, projection=Projection("logra", dim=64)),
         lambda pr: DirectInfluence(pr.model, pr.loss, 1e-2, second_order_mode="gauss_newton"),
-        lambda pr: DirectInfluence(pr.model, pr.loss, 1e-2, projection=Projection("gaussian", dim=32)),
+        lambda pr: DirectInfluence(pr.model, pr.loss, 1e-2, projection=Projection("gaussian", dim=32), second_order_mode="hessian"),
     ],
     ids=["ekfac", "ekfac+logra", "direct", "trak"],
 )

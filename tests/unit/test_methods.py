@@ -72,7 +72,7 @@ def test_hessian_mode_matches_direct_on_mlp(method):
     pr = mlp()
     lam = pr.weight_decay
     expected = scores(DirectInfluence(pr.model, pr.loss, lam, second_order_mode="hessian"), pr)
-    im = CgInfluence(pr.model, pr.loss, lam, rtol=1e-12) if method == "cg" else ArnoldiInfluence(pr.model, pr.loss, lam, rank=dim(pr), krylov_dim=dim(pr))
+    im = CgInfluence(pr.model, pr.loss, lam, rtol=1e-12, second_order_mode="hessian") if method == "cg" else ArnoldiInfluence(pr.model, pr.loss, lam, rank=dim(pr), krylov_dim=dim(pr), second_order_mode="hessian")
     assert relative_error(scores(im, pr), expected) < 1e-6
 
 
@@ -90,15 +90,15 @@ def test_lissa_converges_to_direct():
 def test_stochastic_lissa_with_repeats_on_linear_regression():
     pr = linear_regression()
     lam = 1e-2 * mean_curvature(pr)
-    expected = scores(DirectInfluence(pr.model, pr.loss, lam), pr)
-    im = LissaInfluence(pr.model, pr.loss, lam, depth=400, repeats=4, lissa_batch_size=16, scale=20.0)
+    expected = scores(DirectInfluence(pr.model, pr.loss, lam, second_order_mode="hessian"), pr)
+    im = LissaInfluence(pr.model, pr.loss, lam, depth=400, repeats=4, lissa_batch_size=16, scale=20.0, second_order_mode="hessian")
     assert pearson(scores(im, pr), expected) >= 0.99
 
 
 def test_lissa_divergence_says_to_raise_scale():
     pr = linear_regression()
     with pytest.raises(NumericalError, match=r"raise method.scale \(now 0.1\)"):
-        scores(LissaInfluence(pr.model, pr.loss, 1e-3, scale=0.1, depth=500), pr)
+        scores(LissaInfluence(pr.model, pr.loss, 1e-3, scale=0.1, depth=500, second_order_mode="hessian"), pr)
 
 
 @pytest.mark.parametrize(
@@ -128,8 +128,8 @@ def test_cg_with_more_right_hand_sides_than_parameters(preconditioner, block):
     lam = 1e-2 * mean_curvature(pr)
     many = torch.randn(40, pr.x_train.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     targets = torch.randn(40, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    expected = DirectInfluence(pr.model, pr.loss, lam).fit(pr.train).influences(many, targets, *pr.train)
-    cg = CgInfluence(pr.model, pr.loss, lam, rtol=1e-12, preconditioner=preconditioner, preconditioner_rank=3, block=block)
+    expected = DirectInfluence(pr.model, pr.loss, lam, second_order_mode="hessian").fit(pr.train).influences(many, targets, *pr.train)
+    cg = CgInfluence(pr.model, pr.loss, lam, rtol=1e-12, preconditioner=preconditioner, preconditioner_rank=3, block=block, second_order_mode="hessian")
     got = cg.fit(pr.train).influences(many, targets, *pr.train)
     assert relative_error(got, expected) < 1e-6
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
@@ -195,7 +195,7 @@ def test_scores_do_not_depend_on_batch_size_or_chunking():
     for make, small in (
         (lambda b: ArnoldiInfluence(pr.model, pr.loss, lam, second_order_mode="gauss_newton", rank=30, krylov_dim=80, batch_size=b), 7),
         (lambda b: CgInfluence(pr.model, pr.loss, lam, second_order_mode="gauss_newton", rtol=1e-12, batch_size=b), 64),
-        (lambda b: DataInfInfluence(pr.model, pr.loss, lam, batch_size=b), 7),
+        (lambda b: DataInfInfluence(pr.model, pr.loss, lam, batch_size=b, block_structure="full"), 7),
     ):
         reference = make(300).fit(pr.train).influences(x_t, y_t, *pr.train)
         im = make(small).fit(pr.train)
@@ -228,6 +228,6 @@ def test_unknown_option_is_refused():
 def test_regularization_dict_needs_layer_wise_and_every_block():
     pr = mlp()
     with pytest.raises(ConfigError, match="layer_wise"):
-        DirectInfluence(pr.model, pr.loss, {"0": 1.0, "2": 1.0})
+        DirectInfluence(pr.model, pr.loss, {"0": 1.0, "2": 1.0}, second_order_mode="hessian")
     with pytest.raises(ConfigError, match=r"missing \['2'\]"):
-        DirectInfluence(pr.model, pr.loss, {"0": 1.0}, block_structure="layer_wise")
+        DirectInfluence(pr.model, pr.loss, {"0": 1.0}, block_structure="layer_wise", second_order_mode="hessian")
