@@ -40,7 +40,7 @@ def test_methods_and_cluster_kinds_are_choices():
     assert defs["ClusterKind"]["enum"] == ["local", "cuda", "address", "sequential"]
 
 
-DATASET_DEFS = ["DigitsDataset", "SyntheticClassificationDataset", "SyntheticRegressionDataset", "NpzDataset", "NpyDataset", "ZarrDataset", "TorchFactoryDataset"]
+DATASET_DEFS = ["DigitsDataset", "SyntheticClassificationDataset", "SyntheticRegressionDataset", "NpzDataset", "NpyDataset", "ZarrDataset", "TorchFactoryDataset", "PythonDocsDataset"]
 
 
 def test_dataset_sources_are_choices_each_with_its_own_fields():
@@ -56,6 +56,7 @@ def test_dataset_sources_are_choices_each_with_its_own_fields():
         "synthetic_classification": common | {"n_features", "noise", "n_classes"},
         "synthetic_regression": common | {"n_features", "noise"},
         **{name: common | {"test_fraction", "path"} for name in ("npz", "npy", "zarr", "torch")},
+        "python_docs": common | {"window", "queries"},
     }
     demo = RunParameters().public_config()["dataset"]
     assert demo == {"source": "digits", "n_train": None, "n_test": None, "seed": 0, "chunk_rows": 4096, "test_fraction": 0.2}
