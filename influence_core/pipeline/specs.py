@@ -223,6 +223,12 @@ class ModelSpec(Spec):
     loss: LossName = Field("cross_entropy", title="Loss", description="Training loss, also the loss whose influence is measured (cross_entropy: the classification task, mse: regression).")
     task: Literal["auto", "classification", "regression", "language_modelling"] = Field("auto", title="Task", description="What is attributed, a built-in task (influence_core.task); auto: the loss's task. Training uses the task's loss.")
     measurement: Literal["loss", "margin"] = Field("loss", title="Query measurement", description="What the queries' scores are the gradient of: the loss, or (classification) minus the margin of the true class.")
+    task_class: str | None = Field(
+        None, title="Task class",
+        description="`package.module:callable` returning your influence_core.task.Task (a Task subclass, or a factory), called with `task_options`: "
+        "its loss is trained and attributed and its measurement scored, replacing the built-in task's; `task` still sets a built-in architecture's outputs.",
+    )
+    task_options: dict[str, Any] = Field({}, title="Task options", description="Keyword arguments of the task class.")
     checkpoint: str | None = Field(None, title="Checkpoint", description="A state_dict file (local or s3://) to load instead of training: .safetensors, or a torch.save file read with torch.load(weights_only=True).")
     dtype: Literal["float32", "float64"] = Field("float32", title="Precision", description="Parameter dtype; results follow it.")
 
@@ -232,23 +238,42 @@ class ModelSpec(Spec):
             raise ConfigError("model.factory", f"{self.factory!r} is not `package.module:callable`", "name an importable module and a callable in it, e.g. mypackage.models:make_model")
         if self.architecture == Architecture.transformer.value and self.d_model % self.heads:
             raise ConfigError("model.heads", f"d_model={self.d_model} does not split into {self.heads} heads", f"use a d_model that is a multiple of heads, e.g. {self.heads * max(1, self.d_model // self.heads)}")
+        if self.task_class is not None and not DOTTED.fullmatch(self.task_class):
+            raise ConfigError("model.task_class", f"{self.task_class!r} is not `package.module:callable`", "name an importable module and a Task class in it, e.g. mypackage.tasks:MyTask")
+        if self.task_class is not None and self.measurement != "loss":
+            raise ConfigError("model.measurement", f"{self.measurement} is a built-in task's measurement, but model.task_class defines its own", "leave model.measurement at loss, or define the measurement in your Task")
         if self.measurement == "margin" and self.task_name != "classification":
             raise ConfigError("model.measurement", f"the margin needs the classification task, not {self.task_name}", "set model.measurement: loss, or model.task: classification")
         return self
 
     def key_config(self) -> dict[str, Any]:
-        """The settings as the run fingerprint hashes them: the transformer's only for a transformer, so the runs of
-        other architectures stored before it existed keep their fingerprints."""
-        transformer = self.architecture == Architecture.transformer.value
-        return self.model_dump(mode="json", exclude=None if transformer else TRANSFORMER_FIELDS)
+        """The settings as the run fingerprint hashes them: the transformer's only for a transformer, a task class's
+        only when given, so the runs stored before those fields existed keep their fingerprints."""
+        excluded = set() if self.architecture == Architecture.transformer.value else set(TRANSFORMER_FIELDS)
+        if self.task_class is None:
+            excluded |= {"task_class", "task_options"}
+        return self.model_dump(mode="json", exclude=excluded)
 
     @property
     def task_name(self) -> str:
         return LOSS_TASKS[self.loss] if self.task == "auto" else self.task
 
     def make_task(self) -> Task:
-        """The Task influence attributes, and training minimises."""
+        """The Task influence attributes, and training minimises: the task class's, or the built-in task's."""
+        if self.task_class is not None:
+            return self._custom_task()
         return Classification(self.measurement) if self.task_name == "classification" else BUILTIN[self.task_name]()
+
+    def _custom_task(self) -> Task:
+        assert self.task_class is not None
+        make = load_attribute(self.task_class, "model.task_class")
+        try:
+            task = make(**self.task_options)
+        except TypeError as exc:
+            raise ConfigError("model.task_options", f"{self.task_class} does not take these options ({exc})", "give the keyword arguments the task class accepts") from None
+        if not isinstance(task, Task):
+            raise ConfigError("model.task_class", f"{self.task_class} made a {type(task).__name__}, not an influence_core.task.Task", "subclass influence_core.task.Task (loss, measurement, Fisher targets)")
+        return task
 
     def build(self, in_features: int, out_features: int, feature_shape: tuple[int, ...] | None = None) -> nn.Module:
         """Construct the module described here (weights random until trained or loaded): the factory's, or a built-in
