@@ -18,3 +18,16 @@ def load_attribute(path: str, field: str) -> Any:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(field, f"cannot load {path!r} ({exc})", "give an importable `package.module:factory`") from None
+
+
+def make_from(path: str, options: dict[str, Any], field: str, options_field: str, expected: type, kind: str, fix: str) -> Any:
+    """Call the callable `path` names with `options` and check it made an `expected` (`kind` names it); errors name
+    `field`, or `options_field` for options it does not take. User code (a model factory, a task class) runs here."""
+    make = load_attribute(path, field)
+    try:
+        made = make(**options)
+    except TypeError as exc:
+        raise ConfigError(options_field, f"{path} does not take these options ({exc})", f"give the keyword arguments {path} accepts") from None
+    if not isinstance(made, expected):
+        raise ConfigError(field, f"{path} returned a {type(made).__name__}, not {kind}", fix)
+    return made

@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from torch import nn
 
 from .knn_prefilter import resolve_module
-from .dotted import DOTTED, load_attribute
+from .dotted import DOTTED, make_from
 from ..errors import ConfigError
 from .losses import LossName
 from .transformer import TokenTransformer
@@ -261,25 +261,15 @@ class ModelSpec(Spec):
     def make_task(self) -> Task:
         """The Task influence attributes, and training minimises: the task class's, or the built-in task's."""
         if self.task_class is not None:
-            return self._custom_task()
+            fix = "subclass influence_core.task.Task (loss, measurement, Fisher targets)"
+            return make_from(self.task_class, self.task_options, "model.task_class", "model.task_options", Task, "an influence_core.task.Task", fix)
         return Classification(self.measurement) if self.task_name == "classification" else BUILTIN[self.task_name]()
-
-    def _custom_task(self) -> Task:
-        assert self.task_class is not None
-        make = load_attribute(self.task_class, "model.task_class")
-        try:
-            task = make(**self.task_options)
-        except TypeError as exc:
-            raise ConfigError("model.task_options", f"{self.task_class} does not take these options ({exc})", "give the keyword arguments the task class accepts") from None
-        if not isinstance(task, Task):
-            raise ConfigError("model.task_class", f"{self.task_class} made a {type(task).__name__}, not an influence_core.task.Task", "subclass influence_core.task.Task (loss, measurement, Fisher targets)")
-        return task
 
     def build(self, in_features: int, out_features: int, feature_shape: tuple[int, ...] | None = None) -> nn.Module:
         """Construct the module described here (weights random until trained or loaded): the factory's, or a built-in
         architecture for inputs of `feature_shape` (flat `in_features`)."""
         if self.factory is not None:
-            return self._from_factory()
+            return make_from(self.factory, self.options, "model.factory", "model.options", nn.Module, "a torch.nn.Module", "return the model itself")
         if self.architecture == Architecture.linear.value:
             return nn.Sequential(nn.Flatten(), nn.Linear(in_features, out_features))
         if self.architecture == Architecture.transformer.value:
@@ -299,16 +289,6 @@ class ModelSpec(Spec):
         layers.append(nn.Linear(width, out_features))
         return nn.Sequential(*layers)
 
-    def _from_factory(self) -> nn.Module:
-        assert self.factory is not None
-        factory = load_attribute(self.factory, "model.factory")
-        try:
-            module = factory(**self.options)
-        except TypeError as exc:
-            raise ConfigError("model.options", f"{self.factory} does not take these options ({exc})", "give the keyword arguments the factory accepts") from None
-        if not isinstance(module, nn.Module):
-            raise ConfigError("model.factory", f"{self.factory} returned a {type(module).__name__}, not a torch.nn.Module", "return the model itself")
-        return module
 
     def _cnn(self, shape: tuple[int, ...], out_features: int, act: type[nn.Module]) -> nn.Module:
         """3x3 convolutions (padding 1) with the activation and 2x2 max-pooling, then a linear head."""

@@ -37,7 +37,7 @@ def test_a_task_class_is_trained_and_attributed_as_the_library_does(tmp_path):
 @pytest.mark.parametrize(
     "model, field, words",
     [
-        ({"task_class": "tests.plugin_tasks:not_a_task"}, "model.task_class", "made a object, not an influence_core.task.Task"),
+        ({"task_class": "tests.plugin_tasks:not_a_task"}, "model.task_class", "returned a object, not an influence_core.task.Task"),
         ({"task_class": "tests.plugin_tasks:Nothing"}, "model.task_class", "cannot load 'tests.plugin_tasks:Nothing'"),
         ({"task_class": "tests.plugin_tasks:WeightedClassification", "task_options": {"scale": 2}}, "model.task_options", "does not take these options"),
     ],
