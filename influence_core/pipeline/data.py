@@ -42,6 +42,11 @@ def _in_memory_split(x: np.ndarray, y: np.ndarray, limit: int | None) -> Split:
     return Split(len(y), lambda: iter([(x, y)]))
 
 
+def _features(x: np.ndarray) -> np.ndarray:
+    """Integer features (token ids, pixel counts) stay integers, as int64; others are float32."""
+    return x.astype(np.int64) if np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_ else x.astype(np.float32)
+
+
 def _labels(y: np.ndarray) -> np.ndarray:
     """Integer labels keep an integer dtype; targets stay float32."""
     return y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
@@ -127,7 +132,7 @@ def _torch_source(spec: PathDataset) -> Source:
 
     def split(dataset: Any, limit: int | None) -> Split:
         subset = Subset(dataset, range(min(len(dataset), limit or len(dataset))))
-        return Split(len(subset), lambda: ((np.asarray(x).astype(np.float32), _labels(np.asarray(y))) for x, y in DataLoader(subset, batch_size=spec.chunk_rows)))
+        return Split(len(subset), lambda: ((_features(np.asarray(x)), _labels(np.asarray(y))) for x, y in DataLoader(subset, batch_size=spec.chunk_rows)))
 
     return Source(split(train_set, spec.n_train), split(test_set, spec.n_test), None, None)
 
@@ -146,7 +151,7 @@ def _range_split(x: Any, y: Any, stop: int, block_rows: int, keep: np.ndarray | 
         for lo in range(0, stop, block_rows):
             hi = min(lo + block_rows, stop)
             rows = slice(None) if keep is None else keep[lo:hi]
-            yield np.asarray(x[lo:hi])[rows].astype(np.float32), _labels(np.asarray(y[lo:hi])[rows])
+            yield _features(np.asarray(x[lo:hi])[rows]), _labels(np.asarray(y[lo:hi])[rows])
 
     return Split(count, blocks)
 
@@ -179,7 +184,7 @@ def _from_arrays(arrays: dict[str, Any], spec: PathDataset) -> Source:
         keep[held_out] = False
         stop = int(np.searchsorted(np.cumsum(keep), spec.n_train) + 1) if spec.n_train and spec.n_train < keep.sum() else n
         train = _range_split(x, y, stop, spec.chunk_rows, keep)
-        test = Split(len(held_out), lambda: iter([(np.asarray(x[held_out]).astype(np.float32), _labels(np.asarray(y[held_out])))]))
+        test = Split(len(held_out), lambda: iter([(_features(np.asarray(x[held_out])), _labels(np.asarray(y[held_out])))]))
     else:
         raise ConfigError("dataset.path", f"{spec.path!r} holds {sorted(arrays)}", "provide x_train, y_train, x_test, y_test (or x, y)")
     return Source(train, test, None, None)

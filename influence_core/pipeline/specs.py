@@ -14,6 +14,7 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+import torch
 from torch import nn
 
 from .knn_prefilter import resolve_module
@@ -194,6 +195,13 @@ class Architecture(str, Enum):
     transformer = "transformer"
 
 
+def float_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A forward pre-hook: integer inputs cast to the module's parameter dtype (a module-level function, so a model
+    carrying it still pickles)."""
+    dtype = next(module.parameters()).dtype
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and not a.is_floating_point() else a for a in args)
+
+
 TRANSFORMER_FIELDS = {"d_model", "heads", "layers", "vocab_size"}
 LOSS_TASKS = {"cross_entropy": "classification", "mse": "regression"}
 
@@ -270,14 +278,20 @@ class ModelSpec(Spec):
         architecture for inputs of `feature_shape` (flat `in_features`)."""
         if self.factory is not None:
             return make_from(self.factory, self.options, "model.factory", "model.options", nn.Module, "a torch.nn.Module", "return the model itself")
-        if self.architecture == Architecture.linear.value:
-            return nn.Sequential(nn.Flatten(), nn.Linear(in_features, out_features))
         if self.architecture == Architecture.transformer.value:
             if feature_shape and len(feature_shape) != 1:
                 raise ConfigError("model.architecture", f"transformer needs token ids of shape (n, T), not features of shape {tuple(feature_shape)}", "store one row of token ids per example, or use architecture cnn or mlp")
             context = feature_shape[0] if feature_shape else in_features
             causal = self.task_name == "language_modelling"
             return TokenTransformer(self.vocab_size, context, self.d_model, self.heads, self.layers, out_features, causal)
+        module = self._numeric(in_features, out_features, feature_shape)
+        module.register_forward_pre_hook(float_inputs)  # integer features (pixel counts) enter as the weights' dtype
+        return module
+
+    def _numeric(self, in_features: int, out_features: int, feature_shape: tuple[int, ...] | None) -> nn.Module:
+        """The built-in architectures on numeric features: linear, mlp or cnn."""
+        if self.architecture == Architecture.linear.value:
+            return nn.Sequential(nn.Flatten(), nn.Linear(in_features, out_features))
         act = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}[self.activation]
         if self.architecture == Architecture.cnn.value:
             return self._cnn(feature_shape or (in_features,), out_features, act)
