@@ -38,6 +38,14 @@ def decode_bytes(ids: Any, limit: int = TEXT_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+TABLE_COLUMNS = 12  # features up to this many per example are a table row: the report shows the values
+
+
+def row_text(features: Any) -> str:
+    """A table row as the report shows it: one `column value` line per feature."""
+    return "\n".join(f"x{i:<2d} {v:.4g}" for i, v in enumerate(np.asarray(features, dtype=np.float64).ravel()))
+
+
 def _label(value: Any) -> Any:
     """A class index, a rounded target, or the text of a sequence of token labels."""
     array = np.asarray(value)
@@ -103,10 +111,11 @@ def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: 
             features = np.asarray(source[index])
             if text:  # a query reads 'prompt|completion' (its label), a training example its whole window
                 shown_text = label if kind == "query" and isinstance(label, str) else decode_bytes(features, 4 * TEXT_CHARS)
-                wrapped = "\n".join(textwrap.wrap(shown_text, 18, replace_whitespace=False)[:8])
-                ax.text(0.03, 0.97, wrapped, fontsize=5.5, family="monospace", va="top", transform=ax.transAxes)
+                ax.text(0.03, 0.97, "\n".join(textwrap.wrap(shown_text, 18, replace_whitespace=False)[:8]), fontsize=5.5, family="monospace", va="top", transform=ax.transAxes)
             elif image_shape:
                 ax.imshow(features.reshape(image_shape), cmap="gray_r")
+            elif features.size <= TABLE_COLUMNS:  # a table row: its values
+                ax.text(0.03, 0.97, row_text(features), fontsize=5.5, family="monospace", va="top", transform=ax.transAxes)
             else:
                 ax.plot(features.ravel()[:64], color=colour, linewidth=0.8)
             shown = "" if isinstance(label, str) else f"\ny={label}"  # a text label: the cell already shows it

@@ -59,7 +59,7 @@ class TokenTransformer(nn.Module):
         self.head = nn.Linear(d_model, out_features)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = ids.long()  # the pipeline stores features as float32, where token ids below 2**24 are exact
+        ids = ids.long()  # integer sources store int64 ids; float sources hold them exactly below 2**24
         h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             h = block(h)
