@@ -47,17 +47,18 @@ def test_every_command_has_help(command):
 
 
 def test_help_imports_no_heavy_module():
-    """The non-timing check that --help is quick: neither importing the CLI nor rendering every command's help loads
-    torch, Prefect, zarr or Dask (each seconds to import); commands import them when they run."""
+    """The non-timing check that --help and --version are quick: neither importing the CLI nor rendering every
+    command's help nor the version loads torch, Prefect, zarr or Dask (each seconds to import); commands import them
+    when they run."""
     imported = "import flows.cli, sys; print(sorted(m for m in ('torch','prefect','zarr','dask') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", imported], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.stdout.strip() == "[]", done.stderr
     helps = f"""
 import sys
 from flows.cli import app
-for command in ([], *([name] for name in {COMMANDS!r})):
+for command in ([], *([name] for name in {COMMANDS!r}), ["--version"]):
     try:
-        app([*command, "--help"])
+        app([*command, "--help"] if command != ["--version"] else command)
     except SystemExit as exc:
         assert exc.code == 0, (command, exc.code)
 print(sorted(m for m in {HEAVY!r} if m in sys.modules))
