@@ -66,7 +66,7 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     data = run(prepare_data, PrepareInput(params.dataset, store))
     check_data(data, params.aggregate, params.candidates, params.method, params.model)
     compute, threads = params.compute, params.compute.torch_threads
-    model = run(fit_model, TrainingInput(params.model, params.training, data, store, threads))
+    model = run(fit_model, TrainingInput(params.model, params.training, data, store, threads, compute.torch_device))
     preconditioner = run(fit_preconditioner, PreconditionerInput(params.method, model, data, store, compute))
     factors = run(compute_test_factors, QueryFactorsInput(params.method, model, data, preconditioner, store, threads, compute))
     short = begin_output(store, fingerprint, params.overwrite, data, params.aggregate)

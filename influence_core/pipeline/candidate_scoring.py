@@ -79,7 +79,7 @@ def _load_npy(url: str, options: dict[str, Any]) -> np.ndarray:
 def feature_rows(job: CandidateJob, split: str, lo: int, hi: int) -> np.ndarray:
     """Features (hi - lo, d) of rows lo..hi of x_train or x_test, read from the store by the task itself."""
     with torch_threads(TASK_THREADS):
-        model = load_model(job.stage.model, job.options)
+        model = load_model(job.stage.model, job.options, job.stage.compute.torch_device)
         x = np.asarray(open_data(job.stage.data, job.options)[f"x_{split}"][lo:hi])
         return module_features(model, torch.from_numpy(x), job.spec.module)
 

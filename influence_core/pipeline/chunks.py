@@ -36,7 +36,7 @@ class ChunkWorker:
 
     def __init__(self, job: ChunkJob) -> None:
         stage, options = job.stage, job.options
-        self.im: InfluenceFunctionModel = load_influence_model(stage.method, stage.model, stage.data, stage.preconditioner, options)
+        self.im: InfluenceFunctionModel = load_influence_model(stage.method, stage.model, stage.data, stage.preconditioner, options, stage.compute.torch_device)
         arrays = open_data(stage.data, options)
         self.x, self.y = arrays["x_train"], arrays["y_train"]
         plan = job.self_influence_plan()

@@ -51,9 +51,10 @@ def module_features(model: nn.Module, x: torch.Tensor, module: str | None = None
 
     handle = target.register_forward_pre_hook(keep) if take_input else target.register_forward_hook(keep)
     try:
-        dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
         for lo in range(0, len(x), batch_size):
-            model(x[lo : lo + batch_size].to(dtype) if x.is_floating_point() else x[lo : lo + batch_size])
+            rows = x[lo : lo + batch_size].to(first.device)
+            model(rows.to(first.dtype) if rows.is_floating_point() else rows)
     finally:
         handle.remove()
     return np.ascontiguousarray(torch.cat(captured).numpy()) if captured else np.zeros((0, 0), np.float32)

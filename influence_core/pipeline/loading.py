@@ -41,12 +41,12 @@ def train_batches(data: DataRef, options: dict[str, Any], batch_size: int) -> Ba
     return ArrayBatches(x, y, batch_size)
 
 
-def load_model(model: ModelRef, options: dict[str, Any]) -> nn.Module:
-    """The trained module: rebuilt from its spec, weights read with weights_only=True."""
+def load_model(model: ModelRef, options: dict[str, Any], device: str = "cpu") -> nn.Module:
+    """The trained module on `device`: rebuilt from its spec, weights read with weights_only=True."""
     spec = ModelSpec.model_validate(model.spec)
     shape = tuple(model.feature_shape) if model.feature_shape is not None else None
-    module = spec.build(model.in_features, model.out_features, shape).to(getattr(torch, spec.dtype))
-    return load_into(module, load_state(model.url, options, field="model"), field="model")
+    module = spec.build(model.in_features, model.out_features, shape).to(device=device, dtype=getattr(torch, spec.dtype))
+    return load_into(module, load_state(model.url, options, field="model", device=device), field="model")
 
 
 def save_tensors(url: str, tensors: dict[str, torch.Tensor], options: dict[str, Any]) -> None:
@@ -56,11 +56,11 @@ def save_tensors(url: str, tensors: dict[str, torch.Tensor], options: dict[str, 
 
 
 def load_influence_model(
-    method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any]
+    method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], device: str = "cpu"
 ) -> InfluenceFunctionModel:
-    """The influence model with its stored curvature state, bound to the stored training data."""
-    im = method.build(load_model(model, options), ModelSpec.model_validate(model.spec).make_task())
-    state = load_state(preconditioner.url, options, field="preconditioner")
+    """The influence model on `device` with its stored curvature state, bound to the stored training data."""
+    im = method.build(load_model(model, options, device), ModelSpec.model_validate(model.spec).make_task())
+    state = load_state(preconditioner.url, options, field="preconditioner", device=device)
     return im.load_state_dict(state, train=train_batches(data, options, method.batch_size))
 
 

@@ -27,10 +27,10 @@ def output_width(spec: ModelSpec, data: DataRef) -> int:
     return data.n_classes if (spec.task_name == "classification" and data.n_classes) else 1
 
 
-def build_model(spec: ModelSpec, data: DataRef) -> nn.Module:
-    """The untrained module for this data, in the spec's dtype."""
+def build_model(spec: ModelSpec, data: DataRef, device: str = "cpu") -> nn.Module:
+    """The untrained module for this data, in the spec's dtype, on `device`."""
     torch_dtype = getattr(torch, spec.dtype)
-    return spec.build(math.prod(data.feature_shape), output_width(spec, data), tuple(data.feature_shape)).to(torch_dtype)
+    return spec.build(math.prod(data.feature_shape), output_width(spec, data), tuple(data.feature_shape)).to(device=device, dtype=torch_dtype)
 
 
 def check_tokens(spec: ModelSpec, *splits: Any) -> None:
@@ -99,8 +99,12 @@ def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: 
 
 
 def state_bytes(model: nn.Module) -> bytes:
+    """The state_dict as stored: on the CPU, whatever device trained it, so it loads anywhere."""
+    state = model.state_dict()
+    for name, value in state.items():
+        state[name] = value.cpu()  # in place: the OrderedDict keeps its version metadata
     buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
+    torch.save(state, buffer)
     return buffer.getvalue()
 
 
@@ -117,16 +121,16 @@ def _missing_checkpoint(url: str, field: str) -> ConfigError:
     return ConfigError(field, f"no checkpoint at {url!r}", "give the path or s3:// URL of a saved state_dict")
 
 
-def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint") -> dict[str, torch.Tensor]:
-    """Read a state_dict from a local path or URL with weights_only=True (no arbitrary code from pickles)."""
+def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint", device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Read a state_dict from a local path or URL with weights_only=True (no arbitrary code from pickles), onto `device`."""
     try:
         raw = storage.read_bytes(url, options)
     except FileNotFoundError:
         raise _missing_checkpoint(url, field) from None
     if url.endswith(".safetensors"):
-        return _safetensors(raw, url, field)
+        return {name: value.to(device) for name, value in _safetensors(raw, url, field).items()}
     try:
-        state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(raw), map_location=device, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ... for foreign files
         raise ConfigError(
             field, f"{url!r} is not a weights-only state_dict: torch.load(weights_only=True) refused to unpickle it ({type(exc).__name__})", "save it with torch.save(model.state_dict(), path)"

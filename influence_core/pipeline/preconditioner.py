@@ -54,9 +54,10 @@ class FactorJob:
     model: ModelRef
     data: DataRef
     options: dict[str, Any]
+    device: str = "cpu"
 
     def influence_model(self) -> KfacInfluence:
-        im = self.method.build(load_model(self.model, self.options), ModelSpec.model_validate(self.model.spec).make_task())
+        im = self.method.build(load_model(self.model, self.options, self.device), ModelSpec.model_validate(self.model.spec).make_task())
         assert isinstance(im, KfacInfluence)
         return im
 
@@ -72,14 +73,24 @@ def factor_blocks(n: int) -> list[tuple[int, int]]:
     return [(i * n // count, (i + 1) * n // count) for i in range(count)]
 
 
+def on_device(tree: Any, device: str) -> Any:
+    """Every tensor of nested dicts and tuples (sums, bases) moved to `device`: block sums travel and add up on the
+    CPU, whatever device computed them."""
+    if isinstance(tree, dict):
+        return {key: on_device(value, device) for key, value in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(on_device(value, device) for value in tree)
+    return tree.to(device) if hasattr(tree, "to") else tree
+
+
 def covariance_chunk(job: FactorJob, lo: int, hi: int) -> Sums:
     with torch_threads(TASK_THREADS):
-        return job.influence_model().covariance_sums(job.rows(lo, hi), offset=lo)
+        return on_device(job.influence_model().covariance_sums(job.rows(lo, hi), offset=lo), "cpu")
 
 
 def correction_chunk(job: FactorJob, lo: int, hi: int, bases: dict[str, Any]) -> Sums:
     with torch_threads(TASK_THREADS):
-        return job.influence_model().correction_sums(job.rows(lo, hi), bases, offset=lo)
+        return on_device(job.influence_model().correction_sums(job.rows(lo, hi), on_device(bases, job.device), offset=lo), "cpu")
 
 
 def _block_sums(client: Client | None, fn: Callable[..., Sums], job: FactorJob, **shared: Any) -> Sums:
@@ -107,13 +118,14 @@ def check_method(method: MethodSpec, model: ModelSpec, data: DataRef) -> None:
 
 def _fit(stage: PreconditionerInput, client_factory: Callable[[], Any], loc: StageLocation) -> dict[str, Any]:
     method, model, data, store = stage.method, stage.model, stage.data, stage.store
-    im = method.build(load_model(model, store.options), ModelSpec.model_validate(model.spec).make_task())
+    im = method.build(load_model(model, store.options, stage.compute.torch_device), ModelSpec.model_validate(model.spec).make_task())
     batches = train_batches(data, store.options, method.batch_size)
     if isinstance(im, KfacInfluence):
         batch = next(iter(batches))
         im.objective.check_outputs(*batch)
         with client_factory() as client:
-            state = kronecker_factors(im, FactorJob(method, model, data, store.options), client)
+            state = kronecker_factors(im, FactorJob(method, model, data, store.options, stage.compute.torch_device), client)
+        state = on_device(state, stage.compute.torch_device)
         im.load_state_dict({f"{block}/{key}": value for block, values in state.items() for key, value in values.items()}, train=batches)
     else:
         im.fit(batches)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from . import storage
 from .cluster import check_scheduler
 from ..errors import ConfigError
@@ -16,5 +18,7 @@ def preflight(store: RunStore, compute: ComputeSpec, model: ModelSpec) -> None:
     """
     store.check()
     check_scheduler(compute)
+    if compute.torch_device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("compute.device", "cuda, but no CUDA device is visible to torch here", "set compute.device: cpu, or run on a GPU host (with cluster: cuda, one worker per GPU)")
     if model.checkpoint and not storage.exists(model.checkpoint, store.options):
         raise ConfigError("model.checkpoint", f"no checkpoint at {model.checkpoint!r}", "give the path or s3:// URL of a saved state_dict")

@@ -37,6 +37,11 @@ class QueryFactorsInput(StageInput[StageRef]):
     threads: int
     compute: ComputeSpec | None = None
 
+    @property
+    def device(self) -> str:
+        """The torch device the factors are computed on (`compute.device`; the CPU without a compute spec)."""
+        return "cpu" if self.compute is None else self.compute.torch_device
+
     def plan(self) -> StageCall[StageRef]:
         """The stage's key; where LiSSA's repeats run (compute) is not part of it: every cluster kind gives the same bits."""
         # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
@@ -62,10 +67,10 @@ def write_rows(array: zarr.Array, lo: int, rows: np.ndarray) -> None:
         array[lo + start : lo + start + step] = rows[start : start + step]
 
 
-def lissa_repeat(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], index: int) -> tuple[np.ndarray, dict[str, float]]:
+def lissa_repeat(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], device: str, index: int) -> tuple[np.ndarray, dict[str, float]]:
     """One LiSSA repeat's term of the dense query factors, for every query, and the work it did: one Dask task."""
     with torch_threads(TASK_THREADS):  # the same arithmetic on any cluster kind, sequential included
-        im = load_influence_model(method, model, data, preconditioner, options)
+        im = load_influence_model(method, model, data, preconditioner, options, device)
         assert isinstance(im, LissaInfluence)
         arrays = open_data(data, options)
         x, y = torch.from_numpy(np.asarray(arrays["x_test"][...])), torch.from_numpy(np.asarray(arrays["y_test"][...]))
@@ -77,10 +82,10 @@ def _add_terms(a: tuple[np.ndarray, dict[str, float]], b: tuple[np.ndarray, dict
     return a[0] + b[0], {name: a[1][name] + b[1][name] for name in a[1]}
 
 
-def _lissa_dense(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], client_factory: Callable[[], Any] | None) -> tuple[np.ndarray, Work]:
+def _lissa_dense(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], device: str, client_factory: Callable[[], Any] | None) -> tuple[np.ndarray, Work]:
     """FastIF's parallel s_test: the T repeats as tasks with their own seeds, added in the pairwise tree of the
     library's own sum (`reduction.py`), so every cluster kind and the library give the same bits."""
-    calls = [(method, model, data, preconditioner, options, index) for index in range(getattr(method, "repeats"))]
+    calls = [(method, model, data, preconditioner, options, device, index) for index in range(getattr(method, "repeats"))]
     with client_factory() if client_factory is not None else nullcontext() as client:
         total, counted = summed_tasks(client, lissa_repeat, calls, _add_terms)
     return total, Work(**counted)
@@ -88,14 +93,14 @@ def _lissa_dense(method: MethodSpec, model: ModelRef, data: DataRef, preconditio
 
 def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Callable[[], Any] | None) -> dict[str, Any]:
     method, model, data, preconditioner, store = stage.method, stage.model, stage.data, stage.preconditioner, stage.store
-    im = load_influence_model(method, model, data, preconditioner, store.options)
+    im = load_influence_model(method, model, data, preconditioner, store.options, stage.device)
     arrays = open_data(data, store.options)
     x_test, y_test = arrays["x_test"], arrays["y_test"]
     n_test = y_test.shape[0]
     work = Work()
     dense = None
     if method.name == "lissa":
-        dense, work = _lissa_dense(method, model, data, preconditioner, store.options, client_factory)
+        dense, work = _lissa_dense(method, model, data, preconditioner, store.options, stage.device, client_factory)
     block = max(1, min(n_test, im.solve_block_bytes // (8 * im.objective.space.dim)))
     url = loc.path("factors.zarr")
     out = None

@@ -43,7 +43,7 @@ class ScoreJob(ChunkJob):
         return self.path("self_influence_plan.pt")
 
     def self_influence_plan(self) -> SelfInfluencePlan | None:
-        return plan_from_state(load_state(self.plan_url, self.options, field="self_influence_plan"))
+        return plan_from_state(load_state(self.plan_url, self.options, field="self_influence_plan", device=self.stage.compute.torch_device))
 
     def hold(self, plan: SelfInfluencePlan | None) -> tuple[zarr.Array, zarr.Array | None]:
         """The open scores array, and the self-influence one when the plan computes them."""
@@ -97,7 +97,7 @@ def _self_influence_plan(job: ScoreJob, work: Work) -> SelfInfluencePlan:
     except ConfigError:  # not stored yet, or cut short by a crash
         pass
     stage = job.stage
-    im = load_influence_model(stage.method, stage.model, stage.data, stage.preconditioner, job.options)
+    im = load_influence_model(stage.method, stage.model, stage.data, stage.preconditioner, job.options, stage.compute.torch_device)
     made = im.self_influence_plan(stage.aggregate.self_influence, stage.aggregate.self_influence_rank, n_queries=stage.layout.n_test)
     work += im.work
     save_tensors(job.plan_url, plan_state(made), job.options)

@@ -416,6 +416,10 @@ class ClusterKind(str, Enum):
 class ComputeSpec(Spec):
     cluster: ClusterKind = Field(ClusterKind.local, title="Cluster", description="local: a LocalCluster here; cuda: one worker per GPU (gpu extra); address: an existing scheduler; sequential: no Dask.")
     address: str | None = Field(None, title="Scheduler address", description="For cluster=address, e.g. tcp://host:8786.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", title="Device",
+        description="Where models, curvature, query factors and scores compute: cuda (each Dask worker's GPU; the flow process's for its own stages), cpu, or auto: cuda with cluster=cuda, else cpu.",
+    )
     n_workers: int = Field(2, ge=1, title="Workers", description="Worker processes of a local cluster.")
     torch_threads: int = Field(
         2, ge=1, le=256, title="Torch threads per stage",
@@ -425,6 +429,11 @@ class ComputeSpec(Spec):
     allow_multithreaded_workers: bool = Field(False, title="Allow multi-threaded workers", description="Accept workers with several threads although the method is not thread-safe.")
     train_chunk_rows: int | None = Field(None, ge=1, title="Train rows per task", description="Training examples scored per task and written as one shard (empty: from target_shard_mb, and at least 8 tasks).")
     target_shard_mb: float = Field(64.0, gt=0, title="Shard size (MB)", description="Target size of one shard of the scores array.")
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device the stages compute on: 'cuda' or 'cpu'."""
+        return "cuda" if self.device == "cuda" or (self.device == "auto" and self.cluster == ClusterKind.cuda.value) else "cpu"
 
     @model_validator(mode="after")
     def _address_given(self) -> "ComputeSpec":

@@ -18,13 +18,15 @@ from .run_store import RunStore
 
 @dataclass(frozen=True)
 class TrainingInput(StageInput[ModelRef]):
-    """The model and training specs, the data, and the torch threads the fit runs with."""
+    """The model and training specs, the data, and the torch threads and device the fit runs with (the device is not
+    part of the key: it changes where the model trains, not what the stage is)."""
 
     spec: ModelSpec
     training: TrainingSpec
     data: DataRef
     store: RunStore
     threads: int
+    device: str = "cpu"
 
     def plan(self) -> StageCall[ModelRef]:
         config: dict[str, Any] = {"model": self.spec.model_dump(mode="json")}
@@ -40,7 +42,7 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
     arrays = open_data(data, store.options)
     with torch.random.fork_rng():
         torch.manual_seed(training.seed)  # initialisation and dropout masks are part of the seeded, reproducible fit
-        model = build_model(spec, data)
+        model = build_model(spec, data, stage.device)
         if spec.checkpoint:  # a checkpoint for another model is named as such, before the outputs are checked
             load_into(model, load_state(spec.checkpoint, store.options))
         check_model_fits(model, spec, arrays)
@@ -56,7 +58,7 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         "dtype": str(first.dtype).removeprefix("torch."),
         "spec": spec.model_dump(mode="json"),
         "in_features": int(torch.Size(data.feature_shape).numel()),
-        "out_features": int(model(torch.zeros(1, *data.feature_shape, dtype=first.dtype)).shape[-1]),
+        "out_features": int(model(torch.zeros(1, *data.feature_shape, dtype=first.dtype, device=first.device)).shape[-1]),
         "feature_shape": list(data.feature_shape),
         "train_loss": train_loss,
     }

@@ -58,6 +58,7 @@ class ValidationJob:
     options: dict[str, Any]
     url: str  # the stage's directory: subsets/{index}.json hold each retrained model's measurements
     threads: int
+    device: str = "cpu"
 
     @property
     def queries(self) -> int:
@@ -74,7 +75,7 @@ def measure_subset(job: ValidationJob, index: int) -> list[float]:
     x, y = np.asarray(arrays["x_train"][...])[mask], np.asarray(arrays["y_train"][...])[mask]
     with torch_threads(job.threads), torch.random.fork_rng():
         torch.manual_seed(job.training.seed)
-        model = build_model(job.model, job.data)
+        model = build_model(job.model, job.data, job.device)
         train(model, job.model, job.training, x, y)
         task = job.model.make_task()
         objective = Objective(model, task)
@@ -156,5 +157,5 @@ class ValidationInput(StageInput[ValidationRef]):
 def run(stage: ValidationInput, client_factory: Callable[[], Any], on_progress: Progress | None = None) -> ValidationRef:
     """The run's LDS over `spec.subsets` retrainings; `client_factory()` is a context manager yielding a Dask client or None."""
     check_validate(stage.spec, stage.model_spec)
-    job = ValidationJob(stage.spec, stage.model_spec, stage.training, stage.data, stage.store.options, stage.call.location.url, stage.compute.torch_threads)
+    job = ValidationJob(stage.spec, stage.model_spec, stage.training, stage.data, stage.store.options, stage.call.location.url, stage.compute.torch_threads, stage.compute.torch_device)
     return stage.call.run(lambda loc: _validate(job, stage.scores, stage.store, client_factory, on_progress, loc))
