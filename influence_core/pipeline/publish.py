@@ -12,6 +12,7 @@ from . import damage, storage
 from ..errors import ConfigError
 from .layout import SCORE_CONVENTION
 from .refs import DataRef, ModelRef, StageRef, ValidationRef
+from .specs import ModelSpec
 from .report import QueryRow, lds_line, render_report, topk_rows
 from ..version import CODE_VERSION, source_commit
 from .loading import open_data
@@ -92,7 +93,7 @@ def publish(
     arrays = open_data(data, store.options)
     validation = refs.get("validate")
     validated = validation.model_dump(include=set(VALIDATION_FIELDS)) if isinstance(validation, ValidationRef) else None
-    text = config.get("model", {}).get("architecture") == "transformer" and not config["model"].get("factory")  # token ids: shown as text
+    text = ModelSpec.model_validate(config["model"]).token_inputs  # token ids: shown as text
     png = render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape, None if validated is None else lds_line(validated), text)
     summary = {
         "status": "complete",

@@ -263,6 +263,11 @@ class ModelSpec(Spec):
         return self.model_dump(mode="json", exclude=excluded)
 
     @property
+    def token_inputs(self) -> bool:
+        """Whether the inputs are token ids (a language model, or the built-in transformer): shown as text."""
+        return self.task_name == "language_modelling" or (self.architecture == Architecture.transformer.value and self.factory is None)
+
+    @property
     def task_name(self) -> str:
         return LOSS_TASKS[self.loss] if self.task == "auto" else self.task
 

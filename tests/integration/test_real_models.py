@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.influence_run import influence_run
 from influence_core import CgInfluence, EkfacInfluence
+from influence_core.pipeline.publish import read_run
 from influence_core.task import LanguageModelling
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 
@@ -65,6 +66,8 @@ def test_gpt2_through_the_cli_on_a_local_cluster_equals_the_library(tmp_path):
     summary = json.loads((tmp_path / "gpt2" / "summary.json").read_text())
     assert summary["parameters"]["captured"]["tensors"] == 16  # 8 Conv1D projections, weight and bias each
     assert "model.transformer.wte.weight" in summary["parameters"]["excluded"]["names"]
+    _, rows = read_run(params.store(), 1, 1)  # a language model's examples read as text, the query as its window
+    assert rows[0].label == bytes(data["y_test"][0].tolist()).decode(errors="replace").replace("\n", "⏎").replace("\t", " ")
 
 
 def test_bert_classifier_through_the_flow_equals_the_library(tmp_path, dask_address):
