@@ -17,7 +17,7 @@ from tasks.publish import publish_run
 from tasks.runner import StageRunner
 from tasks.stages import AggregationInput, PreconditionerInput, PrepareInput, QueryFactorsInput, ScoringInput, TrainingInput, ValidationInput
 
-from . import refusals
+from . import interrupts, refusals
 from .parameters import RunParameters
 
 refusals.install()  # wherever the flow is loaded (CLI, serve, a worker's flow run): refusals log one line, no traceback
@@ -62,7 +62,7 @@ def influence_run(
 
 def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[str, Any]:
     """The six stages, the optional validation and the closing publish, under the output's run lock."""
-    run = StageRunner(store)
+    run = StageRunner(store, checkpoint=interrupts.raise_if_interrupted)
     data = run(prepare_data, PrepareInput(params.dataset, store))
     check_data(data, params.aggregate, params.candidates, params.method, params.model)
     compute, threads = params.compute, params.compute.torch_threads
@@ -76,4 +76,5 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     run(aggregate, AggregationInput(params.aggregate, scores, store))
     if params.validation.subsets:
         run(validate_run, ValidationInput(params.validation, params.model, params.training, data, model, scores, store, compute))
+    interrupts.raise_if_interrupted()
     return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate)

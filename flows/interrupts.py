@@ -46,6 +46,17 @@ class _Received:
             raise Interrupted(signum)
 
 
+_ACTIVE: list[_Received] = []  # the signals seen by the innermost `interruptible` block
+
+
+def raise_if_interrupted() -> None:
+    """Between stages: a signal whose exception was swallowed mid-stage (raised inside a finaliser, or in a callback
+    that catches everything) still stops the run here, before the next stage or the publish, so an interrupted run
+    never goes on to look complete. Outside an `interruptible` block (a worker's flow run), nothing to check."""
+    if _ACTIVE and _ACTIVE[-1].signals:
+        raise Interrupted(_ACTIVE[-1].signals[0])
+
+
 @contextmanager
 def interruptible(before_stop: Callable[[], object] = lambda: None) -> Iterator[None]:
     """Run the block so that SIGINT, SIGTERM or SIGHUP raise `Interrupted`, and on the way out call `before_stop`
@@ -54,6 +65,7 @@ def interruptible(before_stop: Callable[[], object] = lambda: None) -> Iterator[
     me = psutil.Process()
     before = {child.pid for child in me.children(recursive=True)}  # not ours to stop (e.g. a test's own cluster)
     received = _Received()
+    _ACTIVE.append(received)
     previous = {signum: signal.signal(signum, received) for signum in SIGNALS}
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
@@ -71,6 +83,7 @@ def interruptible(before_stop: Callable[[], object] = lambda: None) -> Iterator[
             stop_started(me, before)
         raise
     finally:
+        _ACTIVE.remove(received)
         signal.set_wakeup_fd(previous_wakeup)
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
@@ -18,14 +19,15 @@ R = TypeVar("R", bound=StageRef)
 class StageRunner:
     """Calls stage tasks, bypassing Prefect's cache when the store no longer holds the output, and records outcomes."""
 
-    def __init__(self, store: RunStore) -> None:
-        self.store = store
+    def __init__(self, store: RunStore, checkpoint: Callable[[], None] = lambda: None) -> None:
+        self.store, self.checkpoint = store, checkpoint  # called before each stage: may stop the run (a signal seen)
         self.started = datetime.now(timezone.utc)
         self.refs: dict[str, StageRef] = {}
         self.outcomes: dict[str, dict[str, Any]] = {}
 
     def __call__(self, stage: Task[..., R], stage_input: StageInput[R]) -> R:
         """Run `stage` on its input. The input's call reads the manifest here, once; the task's body shares the answer."""
+        self.checkpoint()
         present = stage_input.call.existing() is not None
         wall = time.perf_counter()
         state = stage.with_options(refresh_cache=not present)(stage_input, return_state=True)
