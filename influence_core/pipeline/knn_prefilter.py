@@ -6,14 +6,15 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Literal
 
-import faiss
 import numpy as np
 import torch
 from torch import nn
 
 from ..errors import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # faiss loads when an index is built, so reading a config never pays its import
+    import faiss
+
     from ..methods import InfluenceFunctionModel
 
 IndexKind = Literal["auto", "flat", "ivf", "hnsw"]
@@ -68,6 +69,8 @@ def index_kind(n_train: int, kind: IndexKind = "auto") -> str:
 def build_index(features: np.ndarray, kind: IndexKind = "auto", threads: int = 1) -> faiss.Index:
     """A FAISS L2 index over the training features: exact (flat), inverted lists (IVF, 4·√n lists), or HNSW
     (built on one thread, since a parallel HNSW build depends on thread timing)."""
+    import faiss
+
     previous = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1 if index_kind(len(features), kind) == "hnsw" else threads)
     try:
@@ -77,6 +80,8 @@ def build_index(features: np.ndarray, kind: IndexKind = "auto", threads: int = 1
 
 
 def _build(features: np.ndarray, kind: IndexKind) -> faiss.Index:
+    import faiss
+
     n, d = features.shape
     chosen = index_kind(n, kind)
     if chosen == "flat":
@@ -97,6 +102,8 @@ def nearest(index: faiss.Index, queries: np.ndarray, k: int, nprobe: int | None 
     """Indices (n_queries, k) int64 of each query's k nearest training examples, nearest first; always k valid,
     distinct indices (an approximate index that returns fewer is searched again exhaustively for that query).
     IVF probes `nprobe` lists (default: enough to hold about 2k examples, at least 8)."""
+    import faiss
+
     if not 1 <= k <= index.ntotal:
         raise ConfigError("candidates.knn_k", f"knn_k={k} with {index.ntotal} training examples", f"set candidates.knn_k between 1 and {index.ntotal}, or null for all")
     if isinstance(index, faiss.IndexIVF):
