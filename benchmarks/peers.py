@@ -121,7 +121,8 @@ class Harness:
         meta = path.with_suffix(".json")
         if not path.exists():
             cmd = self.command([self.pythons["ours"], str(PEERS / "reference.py"), "--workload", str(self.dirs[workload]), "--matrix", ref.matrix,
-                                "--solver", ref.solver, "--queries", str(queries), "--regularization", str(self.lam(workload)), "--out", str(path)], "reference")
+                                "--solver", ref.solver, "--queries", str(queries), "--regularization", str(self.lam(workload)), "--out", str(path),
+                                *ref.arguments], "reference")
             print(f"[peers] {workload}: exact {ref.matrix} by {ref.solver} on {queries} queries ...", flush=True)
             result = execute.run_json(cmd, self.args.reference_timeout, self.logs / f"{workload}-exact-{ref.matrix}.log")
             if not execute.ok(result):
@@ -277,7 +278,7 @@ def merge(paths: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny workloads and one repetition: a smoke run")
-    p.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3"], choices=["W1", "W2", "W3"])
+    p.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "W4"], choices=["W1", "W2", "W3", "W4"])
     p.add_argument("--reps", type=int, default=None, help="repetitions per side (default 2; 1 with --quick)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before one side's run is killed and reported as timed out")
     p.add_argument("--repeat-under", type=float, default=1200, help="repeat a side only when its first run took less than this many seconds")
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     for workload, refs in plan.references.items():
         for ref in refs:
             harness.reference(workload, ref)
-    order = {"W1": 0, "W3": 1, "W2": 2}  # the cheaper workloads first, so an interrupted run has them
+    order = {"W1": 0, "W4": 1, "W3": 2, "W2": 3}  # the cheaper workloads first, so an interrupted run has them
     for row in sorted(plan.rows, key=lambda r: order[r.workload]):
         harness.run_row(row, "compare")
         harness.save(raw)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import resource
 import sys
@@ -25,10 +26,29 @@ from torch import nn
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 
 
-def build_model(spec: dict[str, Any]) -> nn.Sequential:
+def is_language_model(spec: dict[str, Any]) -> bool:
+    """W4: a byte-level GPT on token windows, trained and attributed on the summed next-token cross-entropy."""
+    return spec.get("model") == "gpt"
+
+
+def _token_transformer() -> type[nn.Module]:
+    """The pipeline's built-in `transformer` class, loaded from its file (it needs only torch), so the peers' venvs
+    build the very module whose state_dict the pipeline loads as `model.checkpoint`."""
+    path = Path(__file__).resolve().parents[2] / "influence_core" / "pipeline" / "transformer.py"
+    loader = importlib.util.spec_from_file_location("benchmark_transformer", path)
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module.TokenTransformer
+
+
+def build_model(spec: dict[str, Any]) -> nn.Module:
     """Sequential(Flatten, Linear, act, ..., Linear): the layout of the pipeline's `ModelSpec.build`, so one
     state_dict serves the library, the peers and the pipeline (`model.checkpoint`). With `conv` (channels per 3×3
-    layer) and `image` ([C, H, W]) the flat input is first unflattened and convolved: a small CNN (benchmarks/lds.py)."""
+    layer) and `image` ([C, H, W]) the flat input is first unflattened and convolved: a small CNN (benchmarks/lds.py).
+    A language model (W4) is the pipeline's causal `TokenTransformer` over windows of `features` bytes."""
+    if is_language_model(spec):
+        return _token_transformer()(spec["vocab"], spec["features"], spec["d_model"], spec["heads"], spec["blocks"], spec["vocab"], True)
     layers: list[nn.Module] = [nn.Flatten()]
     width = spec["features"]
     if spec.get("conv"):
@@ -46,16 +66,33 @@ def build_model(spec: dict[str, Any]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def example_losses(spec: dict[str, Any], logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each example's own training loss (B,): cross-entropy of its class, or (W4) the sum of its next-token
+    cross-entropies, the logits at position t predicting token t + 1 of the window (labels = the window itself)."""
+    if is_language_model(spec):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), y[:, 1:], reduction="none").sum(1)
+    return torch.nn.functional.cross_entropy(logits, y, reduction="none")
+
+
+def sampled_labels(spec: dict[str, Any], logits: torch.Tensor) -> torch.Tensor:
+    """Labels drawn from the model's own predictions (the true Fisher's targets), shaped like the training labels:
+    one class per example, or (W4) one next token per position (the first position is no target and keeps 0)."""
+    probs = torch.softmax(logits.detach().reshape(-1, logits.shape[-1]), dim=-1)
+    drawn = torch.multinomial(probs, 1).reshape(logits.shape[:-1])
+    return torch.nn.functional.pad(drawn[:, :-1], (1, 0)) if is_language_model(spec) else drawn
+
+
 @dataclass(frozen=True)
 class Workload:
-    """A prepared workload: its spec, the arrays as float32/int64 tensors and the trained model (eval mode)."""
+    """A prepared workload: its spec, the arrays as tensors (features in the model's dtype, token ids and labels
+    int64) and the trained model (eval mode)."""
 
     spec: dict[str, Any]
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
-    model: nn.Sequential
+    model: nn.Module
 
     @property
     def n_params(self) -> int:
@@ -71,7 +108,7 @@ def load_workload(directory: str | Path, dtype: torch.dtype = torch.float32) -> 
     model = build_model(spec)
     model.load_state_dict(torch.load(root / "model.pt", map_location="cpu", weights_only=True))
     model = model.to(dtype).eval()
-    xs = {k: v.to(dtype) for k, v in arrays.items() if k.startswith("x")}
+    xs = {k: v.long() if is_language_model(spec) else v.to(dtype) for k, v in arrays.items() if k.startswith("x")}
     return Workload(spec, xs["x_train"], arrays["y_train"].long(), xs["x_test"], arrays["y_test"].long(), model)
 
 

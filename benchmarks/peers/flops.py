@@ -6,6 +6,8 @@ outputs); a side that does more work (e.g. forms per-example gradient matrices i
 rate, one with a shortcut a higher one. Iteration counts come from what the side reports; where a side reports
 none, the rate is not given. Iterative counts are upper bounds (every right-hand side is charged every iteration
 up to the last one, though converged ones may drop out).
+A language model (W4) has T = `features` positions per example: every per-example forward, backward and per-position
+rotation is charged T times, and p counts the tracked (nn.Linear) parameters, the ones EK-FAC scores.
 """
 
 from __future__ import annotations
@@ -45,22 +47,24 @@ def curvature_pass(w: dict[str, Any], matrix: str, vectors: float, examples: int
 
 def stage_flops(stage: str, method: str, matrix: str, w: dict[str, Any], options: dict[str, Any], info: dict[str, Any]) -> float | None:
     """Flops of one stage of one side's run, or None when the side does not report what the model needs."""
-    p, n, m = w["n_params"], w["n_train"], w["n_test"]
     layers = _layers(w)
+    t = w["features"] if w.get("model") == "gpt" else 1  # positions per example
+    p = sum(i * o for i, o in layers) if t > 1 else w["n_params"]
+    n, m = w["n_train"], w["n_test"]
     if stage == "scoring":
         parts = [stage_flops(s, method, matrix, w, options, info) for s in ("query_factors", "pairwise")]
         return None if None in parts else float(sum(parts))  # type: ignore[arg-type]
     if stage == "pairwise":
-        return 6.0 * p * n + 2.0 * m * n * p
+        return 6.0 * p * t * n + 2.0 * m * n * p
     if stage == "fit":
         if method == "direct":
             return 8.0 * n * p * p + p**3 / 3.0
         if method == "ekfac":
-            passes = 12.0 * p * n + n * sum(4.0 * (i * i + o * o) + 2.0 * i * o for i, o in layers)
+            passes = 12.0 * p * t * n + n * t * sum(4.0 * (i * i + o * o) + 2.0 * i * o for i, o in layers)
             return passes + sum(9.0 * (i**3 + o**3) for i, o in layers)
         return None  # matrix-free methods keep only the data: nothing to count
     if stage == "query_factors":
-        grads = 6.0 * p * m
+        grads = 6.0 * p * t * m
         if method == "direct":
             return grads + 2.0 * p * p * m
         if method == "cg":
@@ -71,5 +75,5 @@ def stage_flops(stage: str, method: str, matrix: str, w: dict[str, Any], options
             steps = info.get("lissa_steps")
             return None if steps is None else grads + steps * curvature_pass(w, matrix, m, info["lissa_batch"])
         if method == "ekfac":
-            return grads + m * sum(2.0 * (i * i + o * o) + 2.0 * (o * o * i + o * i * i) for i, o in layers)
+            return grads + m * sum(2.0 * t * (i * i + o * o) + 2.0 * (o * o * i + o * i * i) for i, o in layers)
     return None

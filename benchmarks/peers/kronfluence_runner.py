@@ -26,10 +26,9 @@ import tempfile
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from common import Stages, Workload, run_side
+from common import Stages, Workload, example_losses, run_side, sampled_labels
 
 
 def body(args: argparse.Namespace, w: Workload, stages: Stages) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -42,24 +41,26 @@ def body(args: argparse.Namespace, w: Workload, stages: Stages) -> tuple[torch.T
 
     warnings.filterwarnings("ignore", category=FutureWarning)
 
-    class Classification(Task):
+    class Losses(Task):
+        """Summed over the batch, each example's own loss (W4: its summed next-token cross-entropy)."""
+
         def compute_train_loss(self, batch: Any, model: torch.nn.Module, sample: bool = False) -> torch.Tensor:
             x, y = batch
             logits = model(x)
             if sample:
                 with torch.no_grad():
-                    y = torch.multinomial(torch.softmax(logits.detach(), dim=-1), 1).flatten()
-            return F.cross_entropy(logits, y, reduction="sum")
+                    y = sampled_labels(w.spec, logits)
+            return example_losses(w.spec, logits, y).sum()
 
         def compute_measurement(self, batch: Any, model: torch.nn.Module) -> torch.Tensor:
             x, y = batch
-            return F.cross_entropy(model(x), y, reduction="sum")
+            return example_losses(w.spec, model(x), y).sum()
 
     options = json.loads(args.options)
     if args.method not in ("ekfac", "kfac"):
         raise SystemExit(f"kronfluence runner: method {args.method!r} is not benchmarked (ekfac or kfac)")
     batch_size = int(options.get("batch_size", 256))
-    task = Classification()
+    task = Losses()
     model = prepare_model(w.model, task)
     train, query = TensorDataset(w.x_train, w.y_train), TensorDataset(w.x_test, w.y_test)
     score_args = ScoreArguments(damping_factor=float(args.regularization), query_gradient_low_rank=options.get("query_rank"))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from common import Stages, Workload, run_side
+from common import Stages, Workload, is_language_model, run_side
 
 CLASSES = {"direct": "DirectInfluence", "cg": "CgInfluence", "lissa": "LissaInfluence", "ekfac": "EkfacInfluence", "kfac": "KfacInfluence"}
 
@@ -38,7 +38,8 @@ def body(args: argparse.Namespace, w: Workload, stages: Stages) -> tuple[torch.T
 
     cls = getattr(influence_core, CLASSES[args.method])
     options = json.loads(args.options)
-    im = cls(w.model, "cross_entropy", regularization=args.regularization, **options)
+    task = "language_modelling" if is_language_model(w.spec) else "cross_entropy"
+    im = cls(w.model, task, regularization=args.regularization, **options)
     with stages.time("fit"):
         im.fit((w.x_train, w.y_train))
     with stages.time("query_factors"):

@@ -47,13 +47,21 @@ def self_influence_switch() -> bool:
     return bool(self_influence_off())
 
 
+def model_section(spec: dict, checkpoint: Path) -> dict:
+    """The built-in architecture whose state_dict the workload's model.pt is: the MLP, or (W4) the causal transformer."""
+    if spec.get("model") == "gpt":
+        return {"architecture": "transformer", "task": "language_modelling", "d_model": spec["d_model"], "heads": spec["heads"], "layers": spec["blocks"],
+                "vocab_size": spec["vocab"], "checkpoint": str(checkpoint)}
+    return {"architecture": "mlp", "hidden": spec["hidden"], "activation": spec["activation"], "output_dim": spec["classes"], "checkpoint": str(checkpoint)}
+
+
 def parameters(workload: Path, method: dict, regularization: float, out: Path) -> dict:
     spec = json.loads((workload / "workload.json").read_text())
     aggregate = {"top_k": 5, **self_influence_off()}
     return {
         "output_url": str(out),
         "dataset": {"source": "npz", "path": str(workload / "data.npz")},
-        "model": {"architecture": "mlp", "hidden": spec["hidden"], "activation": spec["activation"], "output_dim": spec["classes"], "checkpoint": str(workload / "model.pt")},
+        "model": model_section(spec, workload / "model.pt"),
         "method": {**method, "regularization": regularization},
         "compute": {"cluster": "local", "n_workers": 2, "torch_threads": 2},
         "aggregate": aggregate,

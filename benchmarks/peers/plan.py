@@ -48,6 +48,7 @@ class Reference:
     matrix: str
     solver: str
     queries: int
+    arguments: tuple[str, ...] = ()  # more of reference.py's options (W4: its tolerance and device)
 
 
 @dataclass(frozen=True)
@@ -154,4 +155,12 @@ def build(quick: bool, workloads: list[str], ours_options: set[str]) -> Plan:
         else:
             skipped.append(f"W3 low-rank query factors: this version of ours has no `query_rank` option, so neither side was run at rank {rank}.")
         pipelines.append(Pipeline("W3", "EK-FAC", ekfac, {"name": "ekfac", "fisher": "sampled", "batch_size": 256}))
+
+    if "W4" in workloads:
+        # Both sides track the nn.Linear layers (attention projections, feed-forward, head); the embeddings and norms
+        # are left out on both. Kronfluence: its sampled (true) Fisher, float32, a Task summing token cross-entropies.
+        ekfac = Config("ours", "ekfac", "ekfac", "EkfacInfluence(language_modelling, fisher=sampled)", {"fisher": "sampled", "batch_size": 64})
+        rows.append(Row("W4", "EK-FAC, GPT", (ekfac, Config("kronfluence", "ekfac", "ekfac", "fit_all_factors(ekfac) + compute_pairwise_scores", {"batch_size": 64}))))
+        references["W4"] = [Reference("ggn", "cg", 5 if quick else 20)]
+        pipelines.append(Pipeline("W4", "EK-FAC", ekfac, {"name": "ekfac", "fisher": "sampled", "batch_size": 64}))
     return Plan(rows, sweep, references, pipelines, skipped)

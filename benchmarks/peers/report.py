@@ -53,6 +53,15 @@ def _f(value: float | None, fmt: str = "{:.2f}", none: str = "—") -> str:
     return none if value is None else fmt.format(value)
 
 
+def workload_description(s: dict[str, Any]) -> tuple[str, str]:
+    """The data and the model of a workload, in words."""
+    if s.get("model") == "gpt":
+        return (f"windows of {s['features']} bytes of the standard library's docstrings",
+                f"byte-level GPT: {s['blocks']} pre-norm blocks, d_model {s['d_model']}, {s['heads']} heads, vocabulary {s['vocab']}, Adam")
+    data = "scikit-learn digits" if s["source"] == "digits" else f"synthetic, {s['features']} features, {s['classes']} classes"
+    return data, f"MLP {s['features']}-{'-'.join(map(str, s['hidden']))}-{s['classes']} ({s['activation']}), Adam"
+
+
 def stage_table(results: dict[str, Any], workload: str, ceiling: float | None) -> list[str]:
     spec = results["workloads"][workload]["spec"]
     lines = [
@@ -179,6 +188,7 @@ def targets(results: dict[str, Any], ceiling: float | None, best: dict[str, tupl
         if ours["ok"] and ceiling:
             rate = stage_gflop(results["runs"][w3["configs"][0]], spec, "scoring", ours["info"]) / ours["seconds"]["scoring"]  # type: ignore[operator]
             lines.append(f"| W3 scoring ≥ 60% of the GEMM rate | {rate:.1f} GFLOP/s of {ceiling:.1f} = {100 * rate / ceiling:.0f}% | {verdict(rate >= 0.6 * ceiling)} |")
+    lines += w4_targets(results, pipes, verdict)
     w2_rows = [r for r in results["rows"] if r["workload"] == "W2" and r["kind"] == "compare"]
     if w2_rows and ceiling:
         spec = results["workloads"]["W2"]["spec"]
@@ -206,6 +216,33 @@ def targets(results: dict[str, Any], ceiling: float | None, best: dict[str, tupl
         else:
             missing = [s for s in ("ours", "pydvl") if s not in best]
             lines.append(f"| W2 end to end ≥ 5× faster than pyDVL's best path | no path of {', '.join(missing)} reached Pearson ≥ {threshold} | not measured |")
+    return lines
+
+
+def w4_targets(results: dict[str, Any], pipes: dict[str, dict[str, float]], verdict: Any) -> list[str]:
+    """Issue 26's targets on the GPT: fit ≥ 10× and scoring ≥ 1.5× faster than Kronfluence, agreement with the
+    converged CG answer at least Kronfluence's, and the pipeline within 1.3× of the library."""
+    row = next((r for r in results["rows"] if r["workload"] == "W4" and r["kind"] == "compare"), None)
+    if row is None:
+        return []
+    runs = [results["runs"][k] for k in row["configs"][:2]]
+    ours, theirs = (summarise(run) for run in runs)
+    if not (ours["ok"] and theirs["ok"]):
+        return [f"| W4 fit, scoring, agreement | ours {ours.get('outcome', 'ok')}, Kronfluence {theirs.get('outcome', 'ok')} | {verdict(None)} |"]
+    lines = []
+    for stage, factor in (("fit", 10.0), ("scoring", 1.5)):
+        speedup = theirs["seconds"][stage] / ours["seconds"][stage]
+        lines.append(f"| W4 {stage} ≥ {factor:g}× faster than Kronfluence | ours {ours['seconds'][stage]:.2f} s, Kronfluence {theirs['seconds'][stage]:.2f} s: "
+                     f"{speedup:.2f}× | {verdict(speedup >= factor)} |")
+    exact = [run.get("vs_exact", {}).get("ggn", {}).get("pearson") for run in runs]
+    if None in exact:
+        lines.append(f"| W4 agreement with the converged CG answer ≥ Kronfluence's | no converged answer ({execute.outcome(results['references'].get('W4', {}).get('ggn', {}))}) | {verdict(None)} |")
+    else:
+        lines.append(f"| W4 agreement with the converged CG answer ≥ Kronfluence's | Pearson ours {exact[0]:.4f}, Kronfluence {exact[1]:.4f} | {verdict(exact[0] >= exact[1])} |")
+    if "W4" in pipes:
+        p = pipes["W4"]
+        ratio = p["same_stages"] / p["library"]
+        lines.append(f"| W4 pipeline within 1.3× of the library on the same rows | {p['same_stages']:.1f} s vs {p['library']:.1f} s = {ratio:.2f}× | {verdict(ratio <= 1.3)} |")
     return lines
 
 
@@ -291,8 +328,7 @@ def write(results: dict[str, Any], out: Path, suffix: str, threshold: float, thr
            "| workload | data | model | p | n_train | n_test | λ | train / test accuracy | prepared in s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, w in results["workloads"].items():
         s = w["spec"]
-        data = "scikit-learn digits" if s["source"] == "digits" else f"synthetic, {s['features']} features, {s['classes']} classes"
-        model = f"MLP {s['features']}-{'-'.join(map(str, s['hidden']))}-{s['classes']} ({s['activation']}), Adam"
+        data, model = workload_description(s)
         md.append(f"| {name} | {data} | {model} | {s['n_params']:,} | {s['n_train']:,} | {s['n_test']:,} | {s['regularization']:g} | {s['train_accuracy']:.3f} / {s['test_accuracy']:.3f} | {w['prepare_seconds']:.1f} |")
     for name in results["workloads"]:
         md += ["", f"## {name}", "", "### Seconds per stage", "", *stage_table(results, name, ceiling), "", "### Agreement", "", *agreement_table(results, name)]

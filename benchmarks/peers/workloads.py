@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import build_model
+from common import build_model, example_losses, is_language_model
 
 # λ is absolute and the same on every side (pyDVL `regularization`, Kronfluence `damping_factor`, ours
 # `regularization`). Training uses Adam with weight decay; the curvature is that of the mean cross-entropy alone.
@@ -28,12 +28,16 @@ WORKLOADS: dict[str, dict[str, Any]] = {
            "regularization": 1e-1, "epochs": 20, "batch": 128, "lr": 1e-3, "weight_decay": 1e-3, "seed": 0},
     "W3": {"source": "synthetic", "features": 100, "hidden": [1024, 1024], "activation": "relu", "classes": 10, "n_train": 5000, "n_test": 100,
            "regularization": 1e-3, "epochs": 10, "batch": 128, "lr": 1e-3, "weight_decay": 1e-3, "seed": 0},
+    # `make demo-text`'s GPT: 2 pre-norm blocks, d_model 128, on 64-byte windows of the standard library's docstrings
+    "W4": {"source": "python_docs", "model": "gpt", "features": 64, "vocab": 256, "d_model": 128, "heads": 4, "blocks": 2, "n_train": 2000, "n_test": 20,
+           "regularization": 1e-3, "epochs": 8, "batch": 32, "lr": 2e-3, "weight_decay": 0.0, "seed": 0},
 }
 # --quick: the same kinds of problem, small enough for a smoke run of a few minutes.
 QUICK: dict[str, dict[str, Any]] = {
     "W1": {"hidden": [16], "n_train": 300, "n_test": 40, "epochs": 20},
     "W2": {"hidden": [64, 64], "n_train": 400, "n_test": 50, "epochs": 10, "regularization": 0.5},  # its Hessian has eigenvalues near -0.23
     "W3": {"hidden": [128, 128], "n_train": 300, "n_test": 20, "epochs": 5},
+    "W4": {"d_model": 32, "heads": 2, "n_train": 200, "n_test": 5, "epochs": 2},
 }
 
 
@@ -69,6 +73,29 @@ def _synthetic(spec: dict[str, Any]) -> dict[str, np.ndarray]:
     return {"x_train": x[:cut], "y_train": y[:cut], "x_test": x[cut:], "y_test": y[cut:]}
 
 
+def _python_docs(spec: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Windows of `features` bytes of the docstrings (influence_core.pipeline.python_docs, as `make demo-text`),
+    shuffled with the seed: the first n_test are the queries, the next n_train the training set; labels = inputs."""
+    from influence_core.pipeline import python_docs
+
+    rows = python_docs.windows(python_docs.corpus(), spec["features"])
+    rows = rows[np.random.default_rng(spec["seed"]).permutation(len(rows))]
+    test, train = rows[: spec["n_test"]], rows[spec["n_test"] : spec["n_test"] + spec["n_train"]]
+    return {"x_train": train, "y_train": train, "x_test": test, "y_test": test}
+
+
+def _mean_loss(spec: dict[str, Any], logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training objective: mean cross-entropy (as W1-W3 always trained), or the mean of W4's summed token losses."""
+    return example_losses(spec, logits, y).mean() if is_language_model(spec) else F.cross_entropy(logits, y)
+
+
+def _accuracy(spec: dict[str, Any], logits: torch.Tensor, y: torch.Tensor) -> float:
+    """Share of correct classes, or (W4) of correctly predicted next tokens."""
+    if is_language_model(spec):
+        return float((logits[:, :-1].argmax(-1) == y[:, 1:]).float().mean())
+    return float((logits.argmax(1) == y).float().mean())
+
+
 def _train(spec: dict[str, Any], arrays: dict[str, np.ndarray]) -> tuple[torch.nn.Module, dict[str, float]]:
     torch.manual_seed(spec["seed"])
     model = build_model(spec)
@@ -80,15 +107,16 @@ def _train(spec: dict[str, Any], arrays: dict[str, np.ndarray]) -> tuple[torch.n
         for lo in range(0, len(y), spec["batch"]):
             idx = order[lo : lo + spec["batch"]]
             opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            _mean_loss(spec, model(x[idx]), y[idx]).backward()
             opt.step()
     model.eval()
     with torch.no_grad():
         xt, yt = torch.from_numpy(arrays["x_test"]), torch.from_numpy(arrays["y_test"])
+        logits = model(x)
         stats = {
-            "train_loss": float(F.cross_entropy(model(x), y)),
-            "train_accuracy": float((model(x).argmax(1) == y).float().mean()),
-            "test_accuracy": float((model(xt).argmax(1) == yt).float().mean()),
+            "train_loss": float(_mean_loss(spec, logits, y)),
+            "train_accuracy": _accuracy(spec, logits, y),
+            "test_accuracy": _accuracy(spec, model(xt), yt),
         }
     return model, stats
 
@@ -103,7 +131,7 @@ def prepare(spec: dict[str, Any], scratch: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng():
         torch.set_num_threads(2)
-        arrays = _digits(spec) if spec["source"] == "digits" else _synthetic(spec)
+        arrays = {"digits": _digits, "synthetic": _synthetic, "python_docs": _python_docs}[spec["source"]](spec)
         np.savez(root / "data.npz", **arrays)
         model, stats = _train(spec, arrays)
     torch.save(model.state_dict(), root / "model.pt")
@@ -112,7 +140,7 @@ def prepare(spec: dict[str, Any], scratch: Path) -> Path:
         "n_train": len(arrays["y_train"]),
         "n_test": len(arrays["y_test"]),
         "n_params": sum(p.numel() for p in model.parameters()),
-        "layers": [[m.in_features, m.out_features] for m in model if isinstance(m, torch.nn.Linear)],
+        "layers": [[m.in_features, m.out_features] for m in model.modules() if isinstance(m, torch.nn.Linear)],
         **stats,
     }
     (root / "workload.json").write_text(json.dumps(info, indent=1))  # written last: marks the directory complete

@@ -599,3 +599,19 @@ def test_compose_needs_v2_and_is_deployed_with_terraform() -> None:
     readme = (INFRA / "README.md").read_text()
     assert "Compose v2" in header and "Compose v2" in readme
     assert "prefect deploy --all" not in readme.split("## Single machine (compose)")[1].split("\n## ")[0]
+
+
+def test_every_copied_path_exists_and_is_not_ignored() -> None:
+    """Each `COPY` source of the Dockerfile is in the repository and not excluded from the build context by its
+    .dockerignore (an `!` exception re-includes it), so the build cannot fail on a missing file."""
+    lines = (INFRA / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    ignored = [p for p in patterns if not p.startswith("!") and "*" not in p]
+    kept = {p[1:] for p in patterns if p.startswith("!")}
+    sources = [part for line in DOCKERFILE.read_text().splitlines() if line.startswith("COPY ") and "--from" not in line
+               for part in line.split()[1:-1] if not part.startswith("--")]
+    assert sources, "no COPY instruction found"
+    for source in sources:
+        assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
+        excluded = any(source == p or source.startswith(p + "/") for p in ignored)
+        assert not excluded or source in kept, f"COPY {source}: excluded by the .dockerignore; add !{source}"
