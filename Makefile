@@ -44,6 +44,7 @@ quality: $(STAMP)
 # Side by side with pyDVL 0.10 and Kronfluence 1.0.1 (their venvs are built on first use under benchmarks/.venvs/)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/peers.py
+	$(BIN)/python benchmarks/long_sequences.py
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/peers.py --quick

@@ -314,7 +314,9 @@ def main(argv: list[str] | None = None) -> None:
                                   "commit": measured_commit(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     harness.results["argv"] = ["benchmarks/peers.py", *(argv if argv is not None else sys.argv[1:])]
     harness.gemm("start")
-    plan = planning.build(args.quick, args.workloads, ours_options())
+    import torch
+
+    plan = planning.build(args.quick, args.workloads, ours_options(), torch.cuda.is_available())
     harness.results["skipped"] = list(plan.skipped)
     harness.prepare(args.workloads)
     for workload, refs in plan.references.items():

@@ -161,7 +161,7 @@ def library_block_cg(flat: Flat, xq: torch.Tensor, yq: torch.Tensor, g_test: tor
     parameters, and the worst relative residual of its answer under this file's independent product."""
     from influence_core import CgInfluence
 
-    modules = sorted({n.rsplit(".", 1)[0] for n in flat.names})
+    modules = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in flat.names))  # the model's order: the library's columns are then this file's
     task = "language_modelling" if is_language_model(flat.spec) else "cross_entropy"
     im = CgInfluence(flat.model, task, lam, second_order_mode="gauss_newton", modules=modules, rtol=rtol, preconditioner="nystroem",
                      preconditioner_rank=200, batch_size=flat.chunk, maxiter=5000)
