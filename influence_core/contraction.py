@@ -7,18 +7,23 @@ An example's gradient for a Linear or Conv2d layer is G = Σ_t g_t a_tᵀ (layer
   then Σ_out X ⊙ g;
 - several positions, or a small layer: G for a few examples at a time, then one GEMM (m, out·in) × (out·in, rows);
 - rank-r rows F = L R: (Lᵀg)·(R a) summed over rank and positions, when r·T·(out + in) < out·in.
-Parameters outside such layers (embeddings, norms, custom modules) keep vmap per-sample gradients.
+An `nn.Embedding` (V × d) has the gradient Σ_t e_{id_t} g_tᵀ: each example's gradient is kept sparse, one row per
+distinct token (repeats summed), and met by a sparse-dense product, so a row F scores it as Σ_t F[id_t]·g_t with work
+∝ distinct tokens × d, never V × d; its squared norm is Σ over distinct tokens of ‖Σ_{t: id_t = v} g_t‖².
+Parameters outside such layers (position embeddings of arange(T), tied weights, norms, custom modules) keep vmap
+per-sample gradients.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from .layers import Capture, TrackedLayer, calls_per_layer, capture, contractible, outer_gradients
+from .layers import Capture, TrackedLayer, capture, contractible, outer_gradients, per_example_layers, shared_parameters
 from .objective import Objective
 from .work import Work
 
@@ -43,20 +48,23 @@ class LayerCut:
 
 
 class GradientSplit:
-    """An objective's parameters split into whole Linear/Conv2d layers, contracted from captures, and the rest,
-    which keeps vmap per-sample gradients. A layer called more than once per forward pass (shared weights) stays
-    in the rest, since one capture cannot hold both calls."""
+    """An objective's parameters split into whole Linear/Conv2d/Conv1D/Embedding layers, contracted from captures,
+    and the rest, which keeps vmap per-sample gradients. A layer called more than once per forward pass (shared
+    layers), on an input without the batch dimension (a position embedding of arange(T)), or whose weight another
+    module also uses (tied input/output embeddings) stays in the rest, since its capture cannot hold its gradient."""
 
     def __init__(self, objective: Objective, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.objective = objective
         blocks = objective.space.blocks()
+        shared = shared_parameters(objective.model)
         candidates = []
         for name, module in objective.model.named_modules():
             layer = TrackedLayer(name, module)
-            if contractible(module) and all(p in blocks for p in layer.param_names) and _contiguous([blocks[p] for p in layer.param_names]):
+            if (contractible(module) and all(p in blocks for p in layer.param_names) and _contiguous([blocks[p] for p in layer.param_names])
+                    and not any(id(p) in shared for p in module.parameters(recurse=False))):
                 candidates.append(layer)
-        calls = calls_per_layer(objective.model, candidates, objective.to_model(*probe)[0])
-        self.cuts = [LayerCut(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if calls[layer.name] == 1]
+        captured = per_example_layers(objective.model, candidates, objective.to_model(*probe)[0])
+        self.cuts = [LayerCut(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if layer.name in captured]
         covered = {p for cut in self.cuts for p in cut.layer.param_names}
         rest = [n for n in objective.space.names if n not in covered]
         self.rest_columns = torch.cat([torch.arange(blocks[n].start, blocks[n].stop) for n in rest]) if rest else None
@@ -187,7 +195,10 @@ def contract(rows: Rows, batch: Batch, work: Work) -> torch.Tensor:
 
 
 def contract_layer(rows: LayerRows, a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
-    """⟨F_j, Σ_t g_t a_tᵀ⟩ for rows F_j of one layer and examples with inputs a (n, T, in), gradients g (n, T, out)."""
+    """⟨F_j, Σ_t g_t a_tᵀ⟩ for rows F_j of one layer and examples with inputs a (n, T, in), gradients g (n, T, out);
+    for an embedding, a holds the ids (n, T) and the rows are (m, V, d)."""
+    if not a.is_floating_point():
+        return _embedding_scores(dense_rows(rows), a, g, work)
     n, positions, width = a.shape
     height = g.shape[2]
     if rows.rank is not None:
@@ -247,9 +258,46 @@ def _low_rank(left: torch.Tensor, right: torch.Tensor, a: torch.Tensor, g: torch
     return out
 
 
+def _embedding_scores(dense: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
+    """Rows F (m, V, d) against an embedding's sparse per-example gradients: Σ_t F[id_t]·g_t for every row and
+    example, one sparse-dense product (n, V·d) × (V·d, m)."""
+    m, vocab, width = dense.shape
+    grads = embedding_gradients(ids, g, vocab)
+    work.score_flops += 2.0 * m * grads.values().numel()
+    return (grads @ dense.reshape(m, -1).T).T
+
+
+def token_rows(ids: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An embedding's per-example gradients as their nonzero rows: (example, token id, Σ_{t: id_t = id} g_t) for
+    each distinct (example, id) pair, sorted by example then id; a token repeated in an example is one row."""
+    n, positions, width = g.shape
+    example = torch.arange(n, device=ids.device).repeat_interleave(positions)
+    pairs, where = torch.unique(torch.stack([example, ids.reshape(-1)]), dim=1, return_inverse=True)
+    values = g.new_zeros(pairs.shape[1], width).index_add_(0, where, g.reshape(-1, width))
+    return pairs[0], pairs[1], values
+
+
+def embedding_gradients(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Per-example gradients Σ_t e_{id_t} g_tᵀ of an embedding with `vocab` rows, as a sparse CSR matrix (n, vocab·d)
+    in the weight's own (row-major) layout: memory ∝ distinct tokens × d."""
+    n, _, width = g.shape
+    example, token, values = token_rows(ids, g)
+    rows = torch.zeros(n + 1, dtype=torch.long, device=ids.device)
+    rows[1:] = torch.cumsum(torch.bincount(example, minlength=n) * width, 0)
+    columns = (token[:, None] * width + torch.arange(width, device=ids.device)).reshape(-1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta state")
+        return torch.sparse_csr_tensor(rows, columns, values.reshape(-1), (n, vocab * width), check_invariants=False)
+
+
 def layer_squared_norms(a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
     """‖Σ_t g_t a_tᵀ‖² per example: a product of norms for one position, Gram matrices over positions when
-    that is cheaper than forming the gradient."""
+    that is cheaper than forming the gradient; for an embedding (a = ids), Σ over its distinct tokens v of
+    ‖Σ_{t: id_t = v} g_t‖² (repeated tokens add before squaring)."""
+    if not a.is_floating_point():
+        example, _, values = token_rows(a, g)
+        work.score_flops += 2.0 * values.numel()
+        return g.new_zeros(len(a)).index_add_(0, example, (values**2).sum(1))
     n, positions, width = a.shape
     height = g.shape[2]
     if positions == 1:
@@ -266,7 +314,11 @@ def materialise(batch: Batch, split: GradientSplit, order: RowOrder, dim: int) -
     """The per-example gradients (n, p) in the split's column layout, from the captures and the rest."""
     out = torch.zeros(batch.n, dim, dtype=batch.dtype, device=batch.device)
     for cut in split.cuts:
-        grads = outer_gradients(batch.g(cut.layer.name), batch.a(cut.layer.name))
+        a, g = batch.a(cut.layer.name), batch.g(cut.layer.name)
+        if cut.layer.embedding:  # its (V, d) weight's layout is its matrix's, in either order
+            out[:, cut.cols] = embedding_gradients(a, g, cut.layer.out_dim).to_dense()
+            continue
+        grads = outer_gradients(g, a)
         out[:, cut.cols] = cut.layer.to_flat(grads) if order == "parameters" else grads.reshape(batch.n, -1)
     if batch.rest is not None:
         assert split.rest_columns is not None
