@@ -269,12 +269,14 @@ def _embedding_scores(dense: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, w
 
 def token_rows(ids: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An embedding's per-example gradients as their nonzero rows: (example, token id, Σ_{t: id_t = id} g_t) for
-    each distinct (example, id) pair, sorted by example then id; a token repeated in an example is one row."""
+    each distinct (example, id) pair, sorted by example then id; a token repeated in an example is one row. A stable
+    sort and a segment sum: index_add_ is 5-10x slower on CPU here."""
     n, positions, width = g.shape
-    example = torch.arange(n, device=ids.device).repeat_interleave(positions)
-    pairs, where = torch.unique(torch.stack([example, ids.reshape(-1)]), dim=1, return_inverse=True)
-    values = g.new_zeros(pairs.shape[1], width).index_add_(0, where, g.reshape(-1, width))
-    return pairs[0], pairs[1], values
+    key = (torch.arange(n, device=ids.device)[:, None] << 32) + ids  # (example, id) as one sortable int64
+    key, order = torch.sort(key.reshape(-1), stable=True)
+    pairs, counts = torch.unique_consecutive(key, return_counts=True)
+    values = torch.segment_reduce(g.reshape(-1, width)[order], "sum", lengths=counts)
+    return pairs >> 32, pairs & 0xFFFFFFFF, values
 
 
 def embedding_gradients(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
