@@ -319,9 +319,9 @@ def materialise(batch: Batch, split: GradientSplit, order: RowOrder, dim: int) -
         a, g = batch.a(cut.layer.name), batch.g(cut.layer.name)
         if cut.layer.embedding:  # its (V, d) weight's layout is its matrix's, in either order
             out[:, cut.cols] = embedding_gradients(a, g, cut.layer.out_dim).to_dense()
-            continue
-        grads = outer_gradients(g, a)
-        out[:, cut.cols] = cut.layer.to_flat(grads) if order == "parameters" else grads.reshape(batch.n, -1)
+        else:
+            grads = outer_gradients(g, a)
+            out[:, cut.cols] = cut.layer.to_flat(grads) if order == "parameters" else grads.reshape(batch.n, -1)
     if batch.rest is not None:
         assert split.rest_columns is not None
         out[:, split.rest_columns.to(out.device)] = batch.rest
