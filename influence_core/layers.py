@@ -4,7 +4,7 @@ A layer's per-example gradient is Σ_t g_t a_tᵀ over positions t (one position
 patch for a convolution), with a = the layer input (unfolded patches for Conv2d, a trailing 1 for the bias) and
 g = ∂ℓ/∂(layer output). Kronecker-factored curvature and Kronecker-structured projections work on (a, g) directly.
 An `nn.Embedding` is captured as its token ids a (batch, positions), integers, and g (batch, positions, width): its
-gradient is the scatter Σ_t e_{id_t} g_tᵀ (vocabulary × width), kept sparse per example (contraction.py); positions
+gradient is the scatter Σ_t e_{id_t} g_tᵀ (vocabulary × width), kept as its nonzero rows (contraction.py); positions
 holding `padding_idx` get g = 0, as torch gives that row no gradient. Embeddings are no Kronecker layer (K-FAC
 leaves them out, see `select_layers`).
 """
