@@ -103,6 +103,11 @@ class LayerRows:
     def rank(self) -> int | None:
         return None if self.left is None else self.left.shape[2]
 
+    @property
+    def count(self) -> int:
+        """The number of rows m."""
+        return len(self.dense if self.dense is not None else self.left)
+
 
 @dataclass
 class Rows:
@@ -197,7 +202,7 @@ def contract_layer(rows: LayerRows, a: torch.Tensor, g: torch.Tensor, work: Work
     """⟨F_j, Σ_t g_t a_tᵀ⟩ for rows F_j of one layer and examples with inputs a (n, T, in), gradients g (n, T, out);
     for an embedding, a holds the ids (n, T) and the rows are (m, V, d)."""
     if not a.is_floating_point():
-        return _embedding_scores(dense_rows(rows), a, g, work)
+        return _embedding_scores(rows, a, g, work)
     n, positions, width = a.shape
     height = g.shape[2]
     if rows.rank is not None:
@@ -257,16 +262,21 @@ def _low_rank(left: torch.Tensor, right: torch.Tensor, a: torch.Tensor, g: torch
     return out
 
 
-def _embedding_scores(dense: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
-    """Rows F (m, V, d) against an embedding's per-example gradients: F[v]·(Σ_{t: id_t = v} g_t) for each distinct
-    (example, v), gathered and reduced in blocks of pairs, then summed per example; no (m, V·d) copy is made (a
-    sparse-dense product transposed the rows every batch: 1 s at V 50,000 against 44 ms)."""
-    m, _, width = dense.shape
+def _embedding_scores(rows: LayerRows, ids: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
+    """Rows F (m, V, d), dense or rank-r, against an embedding's per-example gradients: F[v]·(Σ_{t: id_t = v} g_t)
+    for each distinct (example, v), the rows F[v] gathered (L[v] R for rank-r rows) and reduced in blocks of pairs,
+    then summed per example; nothing of size V·d is formed (a sparse-dense product transposed the (m, V·d) rows
+    every batch: 1 s at V 50,000 against 44 ms)."""
     example, token, values = token_rows(ids, g)
-    step = max(1, BUDGET_BYTES // (m * width * dense.element_size()))
-    per_pair = torch.cat([torch.einsum("mkd,kd->km", dense.index_select(1, token[lo : lo + step]), values[lo : lo + step]) for lo in range(0, len(token), step)])
-    work.score_flops += 2.0 * m * values.numel()
-    return _per_example(per_pair, example, len(ids)).T
+    m, width = rows.count, g.shape[2]
+    step = max(1, BUDGET_BYTES // (m * width * g.element_size()))
+    parts = []
+    for lo in range(0, len(token), step):
+        block = token[lo : lo + step]
+        gathered = rows.dense.index_select(1, block) if rows.dense is not None else rows.left.index_select(1, block) @ rows.right
+        parts.append(torch.einsum("mkd,kd->km", gathered, values[lo : lo + step]))
+    work.score_flops += 2.0 * m * values.numel() * (1 if rows.rank is None else rows.rank + 1)  # the gather L[v] R, then the product
+    return _per_example(torch.cat(parts), example, len(ids)).T
 
 
 def token_rows(ids: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
