@@ -7,7 +7,11 @@ An example's gradient for a Linear or Conv2d layer is G = Σ_t g_t a_tᵀ (layer
   then Σ_out X ⊙ g;
 - several positions, or a small layer: G for a few examples at a time, then one GEMM (m, out·in) × (out·in, rows);
 - rank-r rows F = L R: (Lᵀg)·(R a) summed over rank and positions, when r·T·(out + in) < out·in.
-Parameters outside such layers (embeddings, norms, custom modules) keep vmap per-sample gradients.
+An `nn.Embedding` (V × d) has the gradient Σ_t e_{id_t} g_tᵀ: each example's gradient is kept as its nonzero rows,
+one per distinct token (repeats summed), so a row F scores it as Σ_v F[v]·(Σ_{t: id_t = v} g_t), the rows F[v]
+gathered, with work ∝ distinct tokens × d, never V × d; its squared norm is Σ_v ‖Σ_{t: id_t = v} g_t‖².
+Parameters outside such layers (position embeddings of arange(T), tied weights, norms, custom modules) keep vmap
+per-sample gradients.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from .layers import Capture, TrackedLayer, calls_per_layer, capture, contractible, outer_gradients
+from .layers import Capture, TrackedLayer, capture, contractible, outer_gradients, per_example_layers, shared_parameters
 from .objective import Objective
 from .work import Work
 
@@ -43,20 +47,23 @@ class LayerCut:
 
 
 class GradientSplit:
-    """An objective's parameters split into whole Linear/Conv2d layers, contracted from captures, and the rest,
-    which keeps vmap per-sample gradients. A layer called more than once per forward pass (shared weights) stays
-    in the rest, since one capture cannot hold both calls."""
+    """An objective's parameters split into whole Linear/Conv2d/Conv1D/Embedding layers, contracted from captures,
+    and the rest, which keeps vmap per-sample gradients. A layer called more than once per forward pass (shared
+    layers), on an input without the batch dimension (a position embedding of arange(T)), or whose weight another
+    module also uses (tied input/output embeddings) stays in the rest, since its capture cannot hold its gradient."""
 
     def __init__(self, objective: Objective, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.objective = objective
         blocks = objective.space.blocks()
+        shared = shared_parameters(objective.model)
         candidates = []
         for name, module in objective.model.named_modules():
             layer = TrackedLayer(name, module)
-            if contractible(module) and all(p in blocks for p in layer.param_names) and _contiguous([blocks[p] for p in layer.param_names]):
+            if (contractible(module) and all(p in blocks for p in layer.param_names) and _contiguous([blocks[p] for p in layer.param_names])
+                    and not any(id(p) in shared for p in module.parameters(recurse=False))):
                 candidates.append(layer)
-        calls = calls_per_layer(objective.model, candidates, objective.to_model(*probe)[0])
-        self.cuts = [LayerCut(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if calls[layer.name] == 1]
+        captured = per_example_layers(objective.model, candidates, objective.to_model(*probe)[0])
+        self.cuts = [LayerCut(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if layer.name in captured]
         covered = {p for cut in self.cuts for p in cut.layer.param_names}
         rest = [n for n in objective.space.names if n not in covered]
         self.rest_columns = torch.cat([torch.arange(blocks[n].start, blocks[n].stop) for n in rest]) if rest else None
@@ -95,6 +102,11 @@ class LayerRows:
     @property
     def rank(self) -> int | None:
         return None if self.left is None else self.left.shape[2]
+
+    @property
+    def count(self) -> int:
+        """The number of rows m."""
+        return len(self.dense if self.dense is not None else self.left)
 
 
 @dataclass
@@ -187,7 +199,10 @@ def contract(rows: Rows, batch: Batch, work: Work) -> torch.Tensor:
 
 
 def contract_layer(rows: LayerRows, a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
-    """⟨F_j, Σ_t g_t a_tᵀ⟩ for rows F_j of one layer and examples with inputs a (n, T, in), gradients g (n, T, out)."""
+    """⟨F_j, Σ_t g_t a_tᵀ⟩ for rows F_j of one layer and examples with inputs a (n, T, in), gradients g (n, T, out);
+    for an embedding, a holds the ids (n, T) and the rows are (m, V, d)."""
+    if not a.is_floating_point():
+        return _embedding_scores(rows, a, g, work)
     n, positions, width = a.shape
     height = g.shape[2]
     if rows.rank is not None:
@@ -247,9 +262,58 @@ def _low_rank(left: torch.Tensor, right: torch.Tensor, a: torch.Tensor, g: torch
     return out
 
 
+def _embedding_scores(rows: LayerRows, ids: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
+    """Rows F (m, V, d), dense or rank-r, against an embedding's per-example gradients: F[v]·(Σ_{t: id_t = v} g_t)
+    for each distinct (example, v), the rows F[v] gathered (L[v] R for rank-r rows) and reduced in blocks of pairs,
+    then summed per example; nothing of size V·d is formed (a sparse-dense product transposed the (m, V·d) rows
+    every batch: 1 s at V 50,000 against 44 ms)."""
+    example, token, values = token_rows(ids, g)
+    m, width = rows.count, g.shape[2]
+    step = max(1, BUDGET_BYTES // (m * width * g.element_size()))
+    parts = []
+    for lo in range(0, len(token), step):
+        block = token[lo : lo + step]
+        gathered = rows.dense.index_select(1, block) if rows.dense is not None else rows.left.index_select(1, block) @ rows.right
+        parts.append(torch.einsum("mkd,kd->km", gathered, values[lo : lo + step]))
+    work.score_flops += 2.0 * m * values.numel() * (1 if rows.rank is None else rows.rank + 1)  # the gather L[v] R, then the product
+    return _per_example(torch.cat(parts), example, len(ids)).T
+
+
+def token_rows(ids: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An embedding's per-example gradients as their nonzero rows: (example, token id, Σ_{t: id_t = id} g_t) for
+    each distinct (example, id) pair, sorted by example then id; a token repeated in an example is one row. A stable
+    sort and a segment sum: index_add_ is 5-10x slower on CPU here."""
+    n, positions, width = g.shape
+    key = (torch.arange(n, device=ids.device)[:, None] << 32) + ids  # (example, id) as one sortable int64
+    key, order = torch.sort(key.reshape(-1), stable=True)
+    pairs, counts = torch.unique_consecutive(key, return_counts=True)
+    values = torch.segment_reduce(g.reshape(-1, width)[order], "sum", lengths=counts)
+    return pairs >> 32, pairs & 0xFFFFFFFF, values
+
+
+def _per_example(rows: torch.Tensor, example: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows (K, ...) of `token_rows`' pairs, sorted by example, summed per example: (n, ...)."""
+    return torch.segment_reduce(rows, "sum", lengths=torch.bincount(example, minlength=n), axis=0)
+
+
+def embedding_gradients(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Per-example gradients Σ_t e_{id_t} g_tᵀ of an embedding with `vocab` rows, formed (n, vocab·d) in the weight's
+    own row-major layout, for the methods that need gradients as features."""
+    n, _, width = g.shape
+    example, token, values = token_rows(ids, g)
+    grads = g.new_zeros(n, vocab, width)
+    grads[example, token] = values  # each (example, id) once
+    return grads.reshape(n, -1)
+
+
 def layer_squared_norms(a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
     """‖Σ_t g_t a_tᵀ‖² per example: a product of norms for one position, Gram matrices over positions when
-    that is cheaper than forming the gradient."""
+    that is cheaper than forming the gradient; for an embedding (a = ids), Σ over its distinct tokens v of
+    ‖Σ_{t: id_t = v} g_t‖² (repeated tokens add before squaring)."""
+    if not a.is_floating_point():
+        example, _, values = token_rows(a, g)
+        work.score_flops += 2.0 * values.numel()
+        return _per_example((values**2).sum(1), example, len(a))
     n, positions, width = a.shape
     height = g.shape[2]
     if positions == 1:
@@ -266,8 +330,12 @@ def materialise(batch: Batch, split: GradientSplit, order: RowOrder, dim: int) -
     """The per-example gradients (n, p) in the split's column layout, from the captures and the rest."""
     out = torch.zeros(batch.n, dim, dtype=batch.dtype, device=batch.device)
     for cut in split.cuts:
-        grads = outer_gradients(batch.g(cut.layer.name), batch.a(cut.layer.name))
-        out[:, cut.cols] = cut.layer.to_flat(grads) if order == "parameters" else grads.reshape(batch.n, -1)
+        a, g = batch.a(cut.layer.name), batch.g(cut.layer.name)
+        if cut.layer.embedding:  # its (V, d) weight's layout is its matrix's, in either order
+            out[:, cut.cols] = embedding_gradients(a, g, cut.layer.out_dim)
+        else:
+            grads = outer_gradients(g, a)
+            out[:, cut.cols] = cut.layer.to_flat(grads) if order == "parameters" else grads.reshape(batch.n, -1)
     if batch.rest is not None:
         assert split.rest_columns is not None
         out[:, split.rest_columns.to(out.device)] = batch.rest

@@ -1,8 +1,12 @@
-"""Tracked Linear, Conv2d and Conv1D layers: their inputs and output gradients captured by hooks, per example.
+"""Tracked Linear, Conv2d, Conv1D and Embedding layers: their inputs and output gradients captured by hooks, per example.
 
 A layer's per-example gradient is Σ_t g_t a_tᵀ over positions t (one position for a plain Linear input, every
 patch for a convolution), with a = the layer input (unfolded patches for Conv2d, a trailing 1 for the bias) and
 g = ∂ℓ/∂(layer output). Kronecker-factored curvature and Kronecker-structured projections work on (a, g) directly.
+An `nn.Embedding` is captured as its token ids a (batch, positions), integers, and g (batch, positions, width): its
+gradient is the scatter Σ_t e_{id_t} g_tᵀ (vocabulary × width), kept as its nonzero rows (contraction.py); positions
+holding `padding_idx` get g = 0, as torch gives that row no gradient. Embeddings are no Kronecker layer (K-FAC
+leaves them out, see `select_layers`).
 """
 
 from __future__ import annotations
@@ -40,9 +44,13 @@ def layer_type(module: nn.Module) -> str | None:
 
 
 def contractible(module: nn.Module) -> bool:
-    """A supported layer in a form the captures cover: convolutions only with groups=1 and zero padding."""
+    """A supported layer in a form the captures cover: convolutions only with groups=1 and zero padding; embeddings
+    without max_norm (which rewrites rows in the forward pass) and scale_grad_by_freq (which scales by counts
+    across the whole batch, so no example has a gradient of its own)."""
     if isinstance(module, nn.Conv2d):
         return module.groups == 1 and module.padding_mode == "zeros"
+    if isinstance(module, nn.Embedding):
+        return module.max_norm is None and not module.scale_grad_by_freq
     return layer_type(module) is not None
 
 
@@ -53,7 +61,12 @@ class TrackedLayer:
 
     @property
     def has_bias(self) -> bool:
-        return self.module.bias is not None
+        return getattr(self.module, "bias", None) is not None
+
+    @property
+    def embedding(self) -> bool:
+        """Whether this is an `nn.Embedding`: out_dim is its vocabulary, in_dim its width, its a the token ids."""
+        return isinstance(self.module, nn.Embedding)
 
     @property
     def transposed(self) -> bool:
@@ -80,8 +93,10 @@ class TrackedLayer:
         return self.name or ROOT_BLOCK
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer input as (batch, positions, in_dim), bias column included."""
+        """The layer input as (batch, positions, in_dim), bias column included; an embedding's ids as (batch, positions)."""
         m = self.module
+        if self.embedding:
+            return x.reshape(x.shape[0], -1)
         if isinstance(m, nn.Conv2d):
             patches = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
             a = patches.transpose(1, 2)
@@ -91,11 +106,14 @@ class TrackedLayer:
             a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
         return a
 
-    def output_grads(self, g: torch.Tensor) -> torch.Tensor:
-        """∂ℓ/∂output as (batch, positions, out_dim)."""
+    def output_grads(self, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """∂ℓ/∂output as (batch, positions, out_dim), given the captured input a; an embedding's as (batch,
+        positions, width), zero where a holds `padding_idx` (torch leaves that row without gradient)."""
         if isinstance(self.module, nn.Conv2d):
             return g.flatten(2).transpose(1, 2)
-        return g.reshape(g.shape[0], -1, g.shape[-1])
+        g = g.reshape(g.shape[0], -1, g.shape[-1])
+        padding = getattr(self.module, "padding_idx", None)
+        return g.masked_fill((a == padding)[..., None], 0) if self.embedding and padding is not None else g
 
     def to_matrix(self, flat: torch.Tensor) -> torch.Tensor:
         """Parameter-ordered vectors (weight flattened, then bias) → gradient matrices (n, out, in_dim)."""
@@ -190,17 +208,30 @@ def outer_gradients(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bto,bti->boi", g, a)
 
 
-def calls_per_layer(model: nn.Module, layers: list[TrackedLayer], x: torch.Tensor) -> dict[str, int]:
-    """How often each layer runs in one forward pass of `x` (a shared layer runs more than once)."""
-    counts = dict.fromkeys((layer.name for layer in layers), 0)
-    handles = [layer.module.register_forward_hook(lambda *_, name=layer.name: counts.__setitem__(name, counts[name] + 1)) for layer in layers]
+def per_example_layers(model: nn.Module, layers: list[TrackedLayer], x: torch.Tensor) -> set[str]:
+    """The layers a capture holds per example: each runs once per forward pass (a shared layer runs more often) on
+    an input whose first dimension is the batch, checked at two batch sizes (a position embedding of arange(T)
+    serves every example at once, so its output gradient is their sum)."""
+    sizes: dict[str, list[int]] = {layer.name: [] for layer in layers}
+    handles = [layer.module.register_forward_hook(lambda _, args, __, name=layer.name: sizes[name].append(args[0].shape[0] if args[0].ndim else -1)) for layer in layers]
     try:
         with torch.no_grad():
-            model(x)
+            for batch in (x, torch.cat([x, x])):
+                model(batch)
     finally:
         for handle in handles:
             handle.remove()
-    return counts
+    return {name for name, seen in sizes.items() if seen == [len(x), 2 * len(x)]}
+
+
+def shared_parameters(model: nn.Module) -> set[int]:
+    """ids of parameter tensors registered by more than one module (tied weights, as GPT-2's lm_head and wte): a
+    capture of one module misses the other's share of the gradient."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return {key for key, count in owners.items() if count > 1}
 
 
 @contextmanager
@@ -265,7 +296,7 @@ def capture(
     for i, (root, cotangent) in enumerate(zip(roots, cotangents)):
         found = torch.autograd.grad(root, [outputs[n] for n in names], cotangent, retain_graph=i + 1 < len(roots))
         for layer, g in zip(layers, found):
-            grads[layer.name].append(layer.output_grads(g.detach()))
+            grads[layer.name].append(layer.output_grads(g.detach(), inputs[layer.name]))
     return Capture(inputs, grads)
 
 

@@ -3,8 +3,8 @@
 A model splits its parameters into blocks (all of them, or one per layer); each block gets a `BlockSolver` that
 applies (C_b + λ_b I)⁻¹, so the curvature is block-diagonal with its own λ per block under `layer_wise`.
 
-Every gradient comes from one captured batch (`contraction.Batch`): the inputs and output gradients of the
-Linear/Conv2d layers, plus vmap gradients of any other parameters. Methods whose features are the gradient itself
+Every gradient comes from one captured batch (`contraction.Batch`): the inputs (token ids for an embedding) and
+output gradients of the Linear/Conv2d/Conv1D/Embedding layers, plus vmap gradients of any other parameters. Methods whose features are the gradient itself
 (or its rotation, K-FAC) score by contracting query rows with the captures; the others (Arnoldi's eigenbasis,
 projections) form their low-dimensional features from the same batch.
 """
@@ -157,8 +157,8 @@ class InfluenceFunctionModel(ABC):
         """Which of the model's parameters the scores are taken over: included, excluded (outside `modules` or the
         method's layers) and frozen (requires_grad=False), each with its tensor names and element count. Once fitted,
         the included ones are also split by how their per-example gradients are taken: `captured` from whole
-        Linear/Conv1D/Conv2d layers (contracted with the queries where the method contracts) and `vmapped` by
-        torch.func (embeddings, norms, shared layers)."""
+        Linear/Conv1D/Conv2d/Embedding layers (contracted with the queries where the method contracts) and `vmapped`
+        by torch.func (position embeddings of arange(T), tied embeddings, norms, shared layers)."""
         named = dict(self.objective.model.named_parameters())
         groups = {"included": list(self.objective.space.params), "excluded": self.excluded_parameters, "frozen": self.frozen_parameters}
         if self.train is not None:

@@ -149,7 +149,8 @@ class KfacOptions(MethodOptions, DampedOptions, ProjectedOptions):
 class KfacInfluence(InfluenceFunctionModel):
     """Kronecker-factored Gauss-Newton influence over chosen Linear and Conv2d layers (all of them by default).
 
-    Parameters of other modules are excluded explicitly: `excluded_parameters` lists them. `fisher` is 'exact'
+    Parameters of other modules are excluded explicitly: `excluded_parameters` lists them; embeddings too, as the
+    factor passes, rotations and projections take dense inputs (docs/methods.md, "Embeddings and K-FAC"). `fisher` is 'exact'
     (the expectation over the outputs, one backward pass per output; exact for a single linear layer with squared
     loss), 'sampled' (`fisher_samples` targets per example drawn from the model, seeded; one backward pass each),
     or 'auto' (the default, also None): exact up to EXACT_FISHER_MAX_PASSES = 64 backward passes per example

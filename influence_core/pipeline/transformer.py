@@ -1,8 +1,9 @@
 """The built-in `transformer` architecture: a small pre-norm transformer over token ids, causal as a language model
 (outputs (B, T, vocabulary)) or bidirectional as an encoder classifier (outputs (B, classes), mean-pooled).
 
-Attention and the feed-forward layers are plain `nn.Linear`, so influence contracts them without per-example
-gradients; the token and position embeddings and the layer norms go through `torch.func`.
+Attention and the feed-forward layers are plain `nn.Linear` and the token embedding an untied `nn.Embedding`, so
+influence contracts them without per-example gradients; the position embedding (of arange(T), shared by the batch)
+and the layer norms go through `torch.func`.
 """
 
 from __future__ import annotations

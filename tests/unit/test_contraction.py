@@ -67,8 +67,8 @@ def test_contracted_scores_equal_explicit_gradients(name):
     counted = im.work - work_before
     assert counted.gradient_rows == 30 and counted.score_flops > 0
     split = im.gradient_split(x, y)
-    assert {c.layer.name for c in split.cuts} == {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
-    assert (split.rest is not None) == (name == "tokens")  # the embedding keeps vmap gradients
+    assert {c.layer.name for c in split.cuts} == {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding))}
+    assert split.rest is None  # the embedding is contracted too (tests/unit/test_embedding_contraction.py)
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "tokens"])
@@ -194,6 +194,6 @@ def test_rows_streamed_block_by_block_equal_rows_of_the_whole_matrix(name, kind)
             expected, got = getattr(rows, part), getattr(streamed.layers[layer], part)
             assert (expected is None and got is None) or (torch.equal(expected, got) and got.is_contiguous())
     assert (whole.rest is None and streamed.rest is None) or torch.equal(whole.rest, streamed.rest)
-    assert (streamed.rest is not None) == (name == "tokens" and kind != "ekfac")  # EK-FAC covers Linear/Conv2d only
+    assert streamed.rest is None  # every layer is captured: the embedding too (EK-FAC leaves it out instead)
     assert kind != "rank2" or any(rows.rank == 2 for rows in streamed.layers.values())
     torch.testing.assert_close(im.influences_from_factors(flat, x[:30], y[:30]), Scorer(im, streamed, None)(x[:30], y[:30])[0], rtol=0, atol=0)

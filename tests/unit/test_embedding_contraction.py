@@ -1,0 +1,134 @@
+"""An `nn.Embedding` is contracted from its captured ids and output gradients, without per-example gradients: scores,
+query factors, squared norms (self-influence, sketches) and the work counted equal an independent reference, each
+example's gradient by its own `torch.autograd.grad` call in float64 (rtol 1e-10). Cases: tokens repeated within an
+example, a `padding_idx`, an embedding followed by a Linear, a language model with a position embedding (which stays
+on vmap: arange(T) has no batch dimension), and tied input/output embeddings (vmap, exact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from influence_core import CgInfluence, DirectInfluence, IdentityInfluence
+from influence_core.blocks import layer_blocks
+from influence_core.contraction import LayerRows, contract_layer
+from influence_core.task import resolve_task
+from influence_core.work import Work
+
+VOCAB, WIDTH, POSITIONS, PAD = 7, 5, 9, 0  # 9 positions over 7 ids: every example repeats a token
+
+
+class EmbedLinear(nn.Module):
+    """Embedding (with a padding id) → tanh → per-token Linear → mean over tokens → class logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, WIDTH, padding_idx=PAD)
+        self.mix = nn.Linear(WIDTH, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mix(torch.tanh(self.tokens(ids))).mean(1)
+
+
+class TinyLM(nn.Module):
+    """Token embedding + position embedding → tanh → Linear head over the vocabulary, optionally tied (GPT-2's
+    lm_head.weight is wte.weight)."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(POSITIONS, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        if tied:
+            self.head.weight = self.tokens.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))))
+
+
+def case(name: str) -> tuple[nn.Module, str, torch.Tensor, torch.Tensor]:
+    """A float64 model, its task, and 24 examples of token ids (a padding id in the last two positions of some)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (24, POSITIONS), generator=gen)
+    if name == "embed_linear":
+        x[::3, -2:] = PAD
+        return EmbedLinear().double(), "cross_entropy", x, torch.randint(0, 3, (24,), generator=gen)
+    return TinyLM(tied=name == "tied_lm").double(), "language_modelling", x, x.clone()
+
+
+def naive_gradients(model: nn.Module, task: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each example's loss gradient by its own autograd.grad call, flattened in `named_parameters` order."""
+    loss, params = resolve_task(task).loss, [p for _, p in model.named_parameters()]
+    return torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss(model(x[i : i + 1]), y[i : i + 1]).sum(), params)]) for i in range(len(x))])
+
+
+CASES = ["embed_linear", "lm", "tied_lm"]
+CONTRACTED = {"embed_linear": {"tokens", "mix"}, "lm": {"tokens", "head"}, "tied_lm": set()}  # tied: the head has no weight of its own
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_dispatch_puts_the_embedding_on_the_contracted_path(name):
+    """The token embedding is captured (not vmapped) unless tied; the position embedding of arange(T) is vmapped."""
+    model, task, x, y = case(name)
+    im = IdentityInfluence(model, task, batch_size=10).fit((x, y))
+    split = im.gradient_split(x, y)
+    assert {cut.layer.name for cut in split.cuts} == CONTRACTED[name]
+    listed = im.attributed_parameters()
+    assert ("tokens.weight" in listed["captured"]["names"]) == (name != "tied_lm")
+    assert ("tokens.weight" in listed["vmapped"]["names"]) == (name == "tied_lm")
+    assert ("positions.weight" in listed["vmapped"]["names"]) == (name != "embed_linear")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_scores_and_query_factors_equal_a_naive_loop(name):
+    """Identity: the factors are the queries' gradients and the scores their products with the training gradients;
+    random factor rows (nonzero on the padding row too) score as rows @ gradients."""
+    model, task, x, y = case(name)
+    im = IdentityInfluence(model, task, batch_size=10).fit((x, y))
+    grads = naive_gradients(model, task, x, y)
+    if name == "embed_linear":
+        assert grads[:, :WIDTH].abs().max() == 0  # torch gives the padding row no gradient; the captures mask it
+    factors = im.influence_factors(x[:5], y[:5])
+    torch.testing.assert_close(factors, grads[:5], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(im.influences_from_factors(factors, x, y), grads[:5] @ grads.T, rtol=1e-10, atol=1e-12)
+    rows = torch.randn(4, grads.shape[1], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    torch.testing.assert_close(im.influences_from_factors(rows, x, y), rows @ grads.T, rtol=1e-10, atol=1e-12)
+
+
+def test_direct_influence_through_the_embedding_equals_the_explicit_solve():
+    model, task, x, y = case("embed_linear")
+    im = DirectInfluence(model, task, 1e-2, second_order_mode="gauss_newton", batch_size=10).fit((x, y))
+    factors = im.influence_factors(x[:4], y[:4])
+    torch.testing.assert_close(im.influences(x[:4], y[:4], x, y), factors @ naive_gradients(model, task, x, y).T, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_self_influence_and_block_norms_equal_a_naive_loop(name):
+    """‖g_i‖² (identity's exact self-influence), each layer's squared norms from the captures (repeated tokens add
+    before squaring), and a low-rank sketch's self-influence evaluated on the naive gradients."""
+    model, task, x, y = case(name)
+    grads = naive_gradients(model, task, x, y)
+    identity = IdentityInfluence(model, task, batch_size=10).fit((x, y))
+    torch.testing.assert_close(identity.self_influences(x, y), (grads**2).sum(1), rtol=1e-10, atol=1e-12)
+    blocks = list(layer_blocks(identity.objective.space).values())
+    split = identity.gradient_split(x, y)
+    got = split.block_norms(identity.gradient_batch(x, y), blocks, Work())
+    torch.testing.assert_close(got, torch.stack([(grads[:, b] ** 2).sum(1) for b in blocks]), rtol=1e-10, atol=1e-12)
+    cg = CgInfluence(model, task, 1e-2, block_structure="layer_wise", batch_size=10).fit((x, y))
+    plan = cg.self_influence_plan("lowrank", rank=3)
+    norms = torch.stack([(grads[:, b] ** 2).sum(1) for b in cg._feature_slices()])
+    torch.testing.assert_close(cg.self_influences(x, y, "lowrank", 3), plan.evaluate(plan.rows @ grads.T, norms), rtol=1e-10, atol=1e-12)
+
+
+def test_contraction_counts_its_work_per_distinct_token():
+    """Σ_t F[id_t]·g_t against a loop over positions, and 2·rows·(distinct (example, id) pairs)·width flops."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (6, POSITIONS), generator=gen)
+    g = torch.randn(6, POSITIONS, WIDTH, generator=gen, dtype=torch.float64)
+    rows = torch.randn(4, VOCAB, WIDTH, generator=gen, dtype=torch.float64)
+    expected = torch.tensor([[sum(float(rows[j, ids[i, t]] @ g[i, t]) for t in range(POSITIONS)) for i in range(6)] for j in range(4)], dtype=torch.float64)
+    work = Work()
+    torch.testing.assert_close(contract_layer(LayerRows(dense=rows), ids, g, work), expected, rtol=1e-10, atol=1e-12)
+    distinct = sum(len(set(row.tolist())) for row in ids)
+    assert distinct < 6 * POSITIONS and work.score_flops == 2.0 * 4 * distinct * WIDTH
