@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import examples
 from .blocks import ROOT_BLOCK
 from .errors import ConfigError
 from .noise import ExampleNoise
@@ -196,7 +197,7 @@ def calls_per_layer(model: nn.Module, layers: list[TrackedLayer], x: torch.Tenso
     handles = [layer.module.register_forward_hook(lambda *_, name=layer.name: counts.__setitem__(name, counts[name] + 1)) for layer in layers]
     try:
         with torch.no_grad():
-            model(x)
+            examples.call(model, x)
     finally:
         for handle in handles:
             handle.remove()
@@ -250,12 +251,12 @@ def capture(
     inputs: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
     with torch.enable_grad(), _recording(layers, inputs, outputs):
-        out = task.output(model(x))
+        out = task.output(examples.call(model, x))
     names = [layer.name for layer in layers]
     if any(not outputs[n].requires_grad for n in names):
         raise ConfigError("method.modules", "tracked layers produce outputs without gradients", "list only layers with requires_grad=True parameters in method.modules")
     if mode == "labels":
-        roots, cotangents = [task.mean_loss(out, y) * len(x)], [None]  # the sum over examples: each gets its own gradient
+        roots, cotangents = [task.mean_loss(out, y) * examples.count(x)], [None]  # the sum over examples: each gets its own gradient
     elif mode == "measurement":
         roots, cotangents = [task.measurement(out, y).sum()], [None]
     else:
