@@ -107,6 +107,28 @@ class SyntheticRegressionDataset(SyntheticDataset):
 
 class PathDataset(HeldOutDataset):
     path: str | None = Field(None, title="Path", description="The file, directory, Zarr URL, or `package.module:factory` of the source.")
+    inputs: list[str] | None = Field(
+        None, title="Input fields",
+        description="Named input fields (e.g. input_ids, attention_mask, pixel_values), each its own array, passed to the model as keyword arguments: model(**fields). "
+        "Empty: one input array x, passed as model(x).",
+    )
+    target: str = Field("y", title="Target field", description="The field of the labels (e.g. labels); naming an input (input_ids) makes it the labels too, with IGNORE_INDEX where attention_mask is 0.")
+
+    @field_validator("inputs")
+    @classmethod
+    def _distinct_names(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or len(set(value)) != len(value) or not all(re.fullmatch(r"\w+", name) for name in value)):
+            raise ConfigError("dataset.inputs", f"{value} is not a list of distinct field names", "list each input field once, e.g. [input_ids, attention_mask], or leave it empty for one array x")
+        return value
+
+    def key_config(self) -> dict[str, Any]:
+        """As DatasetBase's, without the field names left at their defaults: existing configs keep their keys."""
+        config = super().key_config()
+        if self.inputs is None:
+            del config["inputs"]
+        if self.target == "y":
+            del config["target"]
+        return config
 
     @model_validator(mode="after")
     def _path_fits_source(self) -> "PathDataset":
