@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import storage
+from . import storage, tables
 from .. import examples
 from .dotted import load_attribute
 from ..errors import ConfigError
@@ -270,6 +270,8 @@ SOURCES: dict[str, Callable[[Any, dict[str, Any]], Source]] = {
     "npy": lambda spec, options: _from_arrays(_load_npy_dir(spec), spec),
     "zarr": lambda spec, options: _from_arrays(_open_zarr(spec, options), spec),
     "torch": lambda spec, options: _torch_source(spec),
+    "hf_disk": lambda spec, options: _from_arrays(tables.hf_disk_arrays(spec.path), spec),
+    "parquet": lambda spec, options: _from_arrays(tables.file_arrays(spec.path), spec),
     "python_docs": lambda spec, options: _python_docs(spec),
 }
 
@@ -341,13 +343,9 @@ def _check_shapes(train: Any, test: Any) -> None:
             raise ConfigError("dataset.path", f"query {what} have shape {other.shape[1:]} but training {what} {value.shape[1:]}", fix)
 
 
-def write_dataset(source: Source, url: str, options: dict[str, Any], chunk_rows: int) -> dict[str, Any]:
-    """Stream both splits into a Zarr group, one row-chunked array per input field and split; return the DataRef
-    fields, with a content hash of each array built chunk by chunk and a data hash over all of them."""
-    firsts = {name: _first_block(split, name) for name, split in (("train", source.train), ("test", source.test))}
-    _check_shapes(firsts["train"][0], firsts["test"][0])
-    group = storage.open_group(url, options, mode="w")
-    total = hashlib.sha256()
+def _write_splits(group: Any, url: str, source: Source, firsts: dict[str, Block], chunk_rows: int) -> tuple[dict[str, dict[str, Any]], int]:
+    """Stream both splits into `group`, checking every block; the arrays' refs (each with its content hash) by
+    stored name, and the largest integer label (-1 without)."""
     arrays: dict[str, dict[str, Any]] = {}
     top_label = -1  # integer labels: the classes are counted while streaming
     for split_name, split in (("train", source.train), ("test", source.test)):
@@ -369,9 +367,23 @@ def write_dataset(source: Source, url: str, options: dict[str, Any], chunk_rows:
         for name, arr in made.items():
             fingerprint = digests[name].hexdigest()[:24]
             arr.attrs["fingerprint"] = fingerprint
-            total.update(fingerprint.encode())
             arrays[name] = {"url": storage.join(url, name), "fingerprint": fingerprint, "shape": arr.shape, "dtype": str(arr.dtype)}
-    fingerprint = total.hexdigest()[:24]
+    return arrays, top_label
+
+
+def write_dataset(source: Source, url: str, options: dict[str, Any], chunk_rows: int) -> dict[str, Any]:
+    """Stream both splits into a Zarr group, one row-chunked array per input field and split; return the DataRef
+    fields, with a content hash of each array built chunk by chunk and a data hash over all of them. Data refused
+    by a check leave nothing behind."""
+    firsts = {name: _first_block(split, name) for name, split in (("train", source.train), ("test", source.test))}
+    _check_shapes(firsts["train"][0], firsts["test"][0])
+    group = storage.open_group(url, options, mode="w")
+    try:
+        arrays, top_label = _write_splits(group, url, source, firsts, chunk_rows)
+    except ConfigError:
+        storage.remove(url, options)
+        raise
+    fingerprint = hashlib.sha256("".join(ref["fingerprint"] for ref in arrays.values()).encode()).hexdigest()[:24]
     n_classes = source.n_classes or (top_label + 1 if top_label >= 0 else None)
     group.attrs.update({"fingerprint": fingerprint, "n_classes": n_classes, "image_shape": source.image_shape})
     x_train = next(iter(arrays.values()))

@@ -132,7 +132,10 @@ class PathDataset(HeldOutDataset):
 
     @model_validator(mode="after")
     def _path_fits_source(self) -> "PathDataset":
-        needs = {"npz": "a .npz file", "npy": "a directory of .npy files", "zarr": "a Zarr group URL", "torch": "a `package.module:factory`"}
+        needs = {
+            "npz": "a .npz file", "npy": "a directory of .npy files", "zarr": "a Zarr group URL", "torch": "a `package.module:factory`",
+            "hf_disk": "a directory written by datasets' save_to_disk", "parquet": "a Parquet/Arrow file or a directory with train and test files",
+        }
         if not self.path:
             raise ConfigError("dataset.path", f"source={self.source} needs a path", f"give {needs[self.source]}")
         if self.source == "torch":
@@ -165,6 +168,24 @@ class TorchFactoryDataset(PathDataset):
     model_config = ConfigDict(title="Torch dataset factory")
 
     source: Literal["torch"] = Field("torch", title="Source", description="A `package.module:factory` returning a torch Dataset of (x, y) pairs, or a (train, test) pair.")
+
+
+class HfDiskDataset(PathDataset):
+    model_config = ConfigDict(title="Hugging Face dataset on disk")
+
+    source: Literal["hf_disk"] = Field(
+        "hf_disk", title="Source",
+        description="A datasets.Dataset (split by test_fraction) or DatasetDict (train and test splits) saved with save_to_disk; columns are fields, fixed-length lists become dimensions.",
+    )
+
+
+class ParquetDataset(PathDataset):
+    model_config = ConfigDict(title="Parquet / Arrow files")
+
+    source: Literal["parquet"] = Field(
+        "parquet", title="Source",
+        description="A local .parquet, .arrow or .feather file (split by test_fraction), or a directory with train.* and test.* files; columns are fields, fixed-length lists become dimensions.",
+    )
 
 
 class PythonDocsDataset(DatasetBase):
@@ -202,7 +223,7 @@ def _digits_by_default(value: Any) -> Any:
 
 
 DatasetSpec = Annotated[
-    Union[DigitsDataset, SyntheticClassificationDataset, SyntheticRegressionDataset, NpzDataset, NpyDataset, ZarrDataset, TorchFactoryDataset, PythonDocsDataset],
+    Union[DigitsDataset, SyntheticClassificationDataset, SyntheticRegressionDataset, NpzDataset, NpyDataset, ZarrDataset, TorchFactoryDataset, HfDiskDataset, ParquetDataset, PythonDocsDataset],
     Field(discriminator="source"),
     BeforeValidator(_digits_by_default),
     _AnyOfSchema(),
