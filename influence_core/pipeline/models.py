@@ -29,7 +29,10 @@ def output_width(spec: ModelSpec, data: DataRef) -> int:
 
 
 def build_model(spec: ModelSpec, data: DataRef, device: str = "cpu") -> nn.Module:
-    """The untrained module for this data, in the spec's dtype, on `device`."""
+    """The untrained module for this data, in the spec's dtype, on `device`; a built-in architecture takes one
+    input array, so named fields need a model factory."""
+    if spec.factory is None and any("/" in name for name in data.arrays):
+        raise ConfigError("dataset.inputs", f"the built-in {spec.architecture} takes one input array, not the named fields of dataset.inputs", "set model.factory to a model taking the fields as keyword arguments, or store one input array x")
     torch_dtype = getattr(torch, spec.dtype)
     return spec.build(math.prod(data.feature_shape), output_width(spec, data), tuple(data.feature_shape)).to(device=device, dtype=torch_dtype)
 

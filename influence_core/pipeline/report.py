@@ -64,6 +64,25 @@ def prompted_text(ids: Any, labels: Any) -> str:
     return decode_bytes(ids[:start]) + "|" + decode_bytes(ids[start:stop])
 
 
+class MaskedIds:
+    """Rows of token ids with the positions whose attention_mask is 0 as -1, which decoding drops."""
+
+    def __init__(self, ids: Any, mask: Any) -> None:
+        self.ids, self.mask = ids, mask
+
+    def __getitem__(self, rows: Any) -> np.ndarray:
+        ids = np.asarray(self.ids[rows])
+        return ids if self.mask is None else np.where(np.asarray(self.mask[rows]) == 0, -1, ids)
+
+
+def example_view(x: Any) -> Any:
+    """What the table and the report show of each example: its one input array, or of named fields the token ids
+    (padding dropped) when there are input_ids, else the first field."""
+    if not isinstance(x, dict):
+        return x
+    return MaskedIds(x["input_ids"], x.get("attention_mask")) if "input_ids" in x else next(iter(x.values()))
+
+
 def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3, x_test: Any = None) -> list[QueryRow]:
     """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples; with
     sequence labels (language modelling) a query reads as its 'prompt|completion' text from `x_test`."""
