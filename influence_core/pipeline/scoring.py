@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 import zarr
 
 from . import candidate_scoring, storage
