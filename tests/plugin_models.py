@@ -89,3 +89,20 @@ def bert_fields(hidden: int = 32, layers: int = 2, heads: int = 2, vocab_size: i
 def gpt2_fields(n_layer: int = 2, n_embd: int = 32, n_head: int = 2, vocab_size: int = 64, n_positions: int = 16) -> nn.Module:
     """gpt2_lm's GPT-2, called on input_ids and attention_mask."""
     return FieldsModel(gpt2_lm(n_layer, n_embd, n_head, vocab_size, n_positions).model, causal=True)
+
+
+class MeanEmbedding(nn.Module):
+    """The mean of the unmasked token embeddings through a tanh layer and a linear head, called with input_ids and
+    attention_mask: a model of named fields small enough for every stage's options."""
+
+    def __init__(self, vocab_size: int, width: int, classes: int) -> None:
+        super().__init__()
+        self.embedding, self.hidden, self.head = nn.Embedding(vocab_size, width), nn.Linear(width, width), nn.Linear(width, classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask[..., None].to(self.embedding.weight.dtype)
+        return self.head(torch.tanh(self.hidden((self.embedding(input_ids) * mask).sum(1) / mask.sum(1).clamp_min(1))))
+
+
+def mean_embedding(vocab_size: int = 64, width: int = 8, classes: int = 3) -> nn.Module:
+    return MeanEmbedding(vocab_size, width, classes)

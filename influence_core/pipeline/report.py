@@ -56,9 +56,9 @@ def _label(value: Any) -> Any:
 
 def prompted_text(ids: Any, labels: Any) -> str:
     """A query of token ids as 'prompt|completion': the completion is the span its labels score (the prompt and any
-    padding are unscored); the whole text when every label is scored."""
+    padding are unscored); the whole text when every label of a token (not padding, -1) is scored."""
     ids, scored = np.asarray(ids).ravel(), np.flatnonzero(np.asarray(labels).ravel() >= 0)
-    if len(scored) in (0, len(ids)):
+    if len(scored) in (0, int((ids >= 0).sum())):
         return decode_bytes(ids)
     start, stop = scored[0], scored[-1] + 1
     return decode_bytes(ids[:start]) + "|" + decode_bytes(ids[start:stop])

@@ -4,6 +4,8 @@ each scored by the flow as the library scores the same stored model and data; pa
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -95,3 +97,34 @@ def test_padded_gpt2_from_parquet_equals_the_library_and_ignores_padding(tmp_pat
     changed = ids.copy()
     changed[0, 0] = changed[0, 0] % 63 + 1
     assert not np.allclose(gpt2_run(tmp_path, "changed-token", changed, mask, str(tmp_path / "gpt2.pt")), scores, rtol=1e-3)
+
+
+def fields_run(tmp_path, name: str, **sections):  # type: ignore[no-untyped-def]
+    """A flow run of the small named-fields model on padded token ids from an npz file."""
+    ids, mask = padded_tokens(60, 6, 64, 2)
+    np.savez(tmp_path / "fields.npz", input_ids=ids, attention_mask=mask, labels=ids[:, 0] % 3)
+    params = small_params(
+        str(tmp_path / name), dataset={"source": "npz", "path": str(tmp_path / "fields.npz"), "inputs": ["input_ids", "attention_mask"], "target": "labels", "n_test": 6, "chunk_rows": 16},
+        model={"factory": "tests.plugin_models:mean_embedding"}, training={"epochs": 3, "learning_rate": 1e-2}, method={"name": "direct", "regularization": 1e-2}, **sections,
+    )
+    influence_run(**params.sections())
+    return params
+
+
+def test_named_fields_through_fastif(tmp_path):
+    """FastIF's kNN features read named fields too: the candidate scores are the library's scores of those pairs."""
+    from influence_core import DirectInfluence
+
+    params = fields_run(tmp_path, "fastif", candidates={"knn_k": 5})
+    group, arrays = read_outputs(params.store())
+    model, data = stored_model_and_data(params.store(), group)
+    full = DirectInfluence(model, "cross_entropy", 1e-2).fit((data["x_train"], data["y_train"])).influences(data["x_test"], data["y_test"], data["x_train"], data["y_train"]).numpy()
+    expected = np.take_along_axis(full, arrays["candidate_indices"], axis=1)
+    np.testing.assert_allclose(arrays["candidate_scores"], expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))
+
+
+def test_named_fields_through_validation(tmp_path):
+    """The LDS retrainings train on the named fields and measure the queries' fields."""
+    fields_run(tmp_path, "lds", validation={"subsets": 3, "queries": 4})
+    validation = json.loads((tmp_path / "lds" / "summary.json").read_text())["validation"]
+    assert validation["subsets"] == 3 and len(validation["lds_per_query"]) == 4
