@@ -205,7 +205,7 @@ def _check_pairs(arrays: dict[str, Any], spec: PathDataset) -> None:
             if x is None or y is None:
                 continue
             if x.shape[0] != y.shape[0]:
-                raise ConfigError("dataset.path", f"{spec.path!r}: {name}{suffix} has {x.shape[0]} rows but {spec.target}{suffix} has {y.shape[0]}", "give every example exactly one label and one row of each field")
+                raise ConfigError("dataset.path", f"{spec.path!r}: {name}{suffix} has {x.shape[0]} rows but {spec.target}{suffix} has {y.shape[0]}", "give every example exactly one label")
             if x.shape[0] == 0:
                 raise ConfigError("dataset.path", f"{spec.path!r}: {name}{suffix} has no rows", "give a dataset with examples in it")
 
