@@ -251,3 +251,14 @@ def test_ragged_lists_are_refused_naming_the_column(tmp_path):
 def test_field_names_are_validated():
     with pytest.raises(ValidationError, match="dataset.inputs"):
         NpzDataset.model_validate({"source": "npz", "path": __file__, "inputs": ["a", "a"]})
+
+
+def test_built_in_architectures_refuse_named_fields(tmp_path):
+    from influence_core.pipeline.models import build_model
+    from influence_core.pipeline.specs import ModelSpec
+
+    np.savez(tmp_path / "d.npz", **split_files())
+    ref, _ = prepared(named(NpzDataset, tmp_path / "d.npz"), tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        build_model(ModelSpec(), ref)
+    assert caught.value.field == "dataset.inputs" and "model.factory" in caught.value.fix
