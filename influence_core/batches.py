@@ -5,35 +5,38 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, Union
 
-import numpy as np
 import torch
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+from . import examples
+from .examples import Inputs
+
+Batch = tuple[Inputs, torch.Tensor]
 
 
 class Batches(Protocol):
-    """Anything that can be iterated more than once, yielding `(x, y)` batches."""
+    """Anything that can be iterated more than once, yielding `(x, y)` batches (x: a tensor or a dict of tensors)."""
 
     def __iter__(self) -> Iterator[Batch]: ...
 
 
-Data = Union[tuple[torch.Tensor, torch.Tensor], Iterable[Batch]]
+Data = Union[tuple[Inputs, torch.Tensor], Iterable[Batch]]
 
 
 class TensorBatches:
     """Row slices of in-memory tensors."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> None:
-        if len(x) != len(y):
-            raise ValueError(f"x has {len(x)} rows but y has {len(y)}: pass features and labels of the same length")
+    def __init__(self, x: Inputs, y: torch.Tensor, batch_size: int) -> None:
+        for name, value in examples.fields(x).items():
+            if len(value) != len(y):
+                raise ValueError(f"{name} has {len(value)} rows but y has {len(y)}: pass inputs and labels of the same length")
         self.x, self.y, self.batch_size = x, y, max(1, int(batch_size))
 
     def __iter__(self) -> Iterator[Batch]:
-        for start in range(0, len(self.x), self.batch_size):
-            yield self.x[start : start + self.batch_size], self.y[start : start + self.batch_size]
+        for start in range(0, len(self.y), self.batch_size):
+            yield examples.take(self.x, slice(start, start + self.batch_size)), self.y[start : start + self.batch_size]
 
     def __len__(self) -> int:
-        return len(self.x)
+        return len(self.y)
 
 
 class ArrayBatches:
@@ -53,12 +56,12 @@ class ArrayBatches:
     def rows(self, lo: int, hi: int) -> Batch:
         """Rows lo..hi (clipped to the range) read into tensors: one batch in any order, e.g. shuffled blocks."""
         hi = min(hi, self.stop)
-        return torch.from_numpy(np.asarray(self.x[lo:hi])), torch.from_numpy(np.asarray(self.y[lo:hi]))
+        return examples.read(self.x, slice(lo, hi)), examples.read(self.y, slice(lo, hi))
 
 
 def as_batches(data: Data, batch_size: int) -> Batches:
     """Wrap an `(x, y)` tuple of tensors in `TensorBatches`; pass re-iterables (DataLoader, ...) through."""
-    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], torch.Tensor) and all(isinstance(t, torch.Tensor) for t in examples.fields(data[0]).values()):
         return TensorBatches(data[0], data[1], batch_size)
     if iter(data) is data:  # type: ignore[arg-type]
         raise TypeError("training data must be re-iterable (a DataLoader or an (x, y) tuple), not a one-shot iterator")
@@ -90,12 +93,12 @@ class BatchSampler:
             if self.batch_size >= len(self.data):  # the whole set: deterministic steps
                 return self.data.x, self.data.y
             idx = torch.randperm(len(self.data), generator=self.generator)[: self.batch_size]
-            return self.data.x[idx], self.data.y[idx]
+            return examples.take(self.data.x, idx), self.data.y[idx]
         if isinstance(self.data, ArrayBatches):
             n = len(self.data)
             size = min(self.batch_size, n)
             lo = self.data.start + int(torch.randint(n - size + 1, (1,), generator=self.generator))
-            return torch.from_numpy(np.asarray(self.data.x[lo : lo + size])), torch.from_numpy(np.asarray(self.data.y[lo : lo + size]))
+            return self.data.rows(lo, lo + size)
         if self._cycle is None:
             self._cycle = iter(self.data)
         try:

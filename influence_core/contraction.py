@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from . import examples
 from .layers import Capture, TrackedLayer, capture, contractible, outer_gradients, per_example_layers, shared_parameters
 from .objective import Objective
 from .work import Work
@@ -177,10 +178,10 @@ def gradient_batch(split: GradientSplit, x: torch.Tensor, y: torch.Tensor, work:
     measurement with `measure`); counted as one gradient per example."""
     objective = split.objective
     x, y = objective.to_model(x, y)
-    work.gradient_rows += len(x)
+    work.gradient_rows += examples.count(x)
     cap = capture(objective.model, split.layers, objective.task, x, y, "measurement" if measure else "labels") if split.cuts else Capture({}, {})
     rest = None if split.rest is None else split.rest.per_sample_grads(x, y, measure)
-    return Batch(cap, rest, len(x), objective.space.dtype, objective.space.device)
+    return Batch(cap, rest, examples.count(x), objective.space.dtype, objective.space.device)
 
 
 def contract(rows: Rows, batch: Batch, work: Work) -> torch.Tensor:

@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from . import examples
 from .batches import Batches, count_rows
 from .objective import Objective
 
@@ -52,8 +53,8 @@ class CurvatureOperator:
     def vectors_per_call(self, x: torch.Tensor) -> int:
         """How many vectors one product call over the rows `x` takes, so its activations fit the budget."""
         if self._activation_bytes is None:
-            self._activation_bytes = max(1, self.objective.activation_bytes(x[:8]))
-        return max(1, self.activation_budget // (len(x) * self._activation_bytes))
+            self._activation_bytes = max(1, self.objective.activation_bytes(examples.take(x, slice(0, 8))))
+        return max(1, self.activation_budget // (examples.count(x) * self._activation_bytes))
 
     def _products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
         """(rows of `vectors`, their product with this batch's mean-loss curvature), `vectors_per_call` rows at a time."""

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import examples
 from .blocks import ROOT_BLOCK
 from .errors import ConfigError
 from .noise import ExampleNoise
@@ -208,7 +209,7 @@ def outer_gradients(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bto,bti->boi", g, a)
 
 
-def per_example_layers(model: nn.Module, layers: list[TrackedLayer], x: torch.Tensor) -> set[str]:
+def per_example_layers(model: nn.Module, layers: list[TrackedLayer], x: examples.Inputs) -> set[str]:
     """The layers a capture holds per example: each runs once per forward pass (a shared layer runs more often) on
     an input whose first dimension is the batch, checked at two batch sizes (a position embedding of arange(T)
     serves every example at once, so its output gradient is their sum)."""
@@ -216,12 +217,13 @@ def per_example_layers(model: nn.Module, layers: list[TrackedLayer], x: torch.Te
     handles = [layer.module.register_forward_hook(lambda _, args, __, name=layer.name: sizes[name].append(args[0].shape[0] if args[0].ndim else -1)) for layer in layers]
     try:
         with torch.no_grad():
-            for batch in (x, torch.cat([x, x])):
-                model(batch)
+            for batch in (x, examples.concat([x, x])):
+                examples.call(model, batch)
     finally:
         for handle in handles:
             handle.remove()
-    return {name for name, seen in sizes.items() if seen == [len(x), 2 * len(x)]}
+    n = examples.count(x)
+    return {name for name, seen in sizes.items() if seen == [n, 2 * n]}
 
 
 def shared_parameters(model: nn.Module) -> set[int]:
@@ -281,12 +283,12 @@ def capture(
     inputs: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
     with torch.enable_grad(), _recording(layers, inputs, outputs):
-        out = task.output(model(x))
+        out = task.output(examples.call(model, x))
     names = [layer.name for layer in layers]
     if any(not outputs[n].requires_grad for n in names):
         raise ConfigError("method.modules", "tracked layers produce outputs without gradients", "list only layers with requires_grad=True parameters in method.modules")
     if mode == "labels":
-        roots, cotangents = [task.mean_loss(out, y) * len(x)], [None]  # the sum over examples: each gets its own gradient
+        roots, cotangents = [task.mean_loss(out, y) * examples.count(x)], [None]  # the sum over examples: each gets its own gradient
     elif mode == "measurement":
         roots, cotangents = [task.measurement(out, y).sum()], [None]
     else:

@@ -9,6 +9,7 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import examples
 from .errors import ConfigError
 from .task import LossFn, Task, resolve_task
 from .params import ParamSpace
@@ -31,17 +32,17 @@ class Objective:
     def params(self) -> Params:
         return self.space.params
 
-    def to_model(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_model(self, x: examples.Inputs, y: torch.Tensor) -> tuple[examples.Inputs, torch.Tensor]:
         """Move a batch to the parameters' device, and floating inputs and targets to their dtype."""
-        return self._to_space(x), self._to_space(y)
+        return examples.map_inputs(x, self._to_space), self._to_space(y)
 
     def _to_space(self, t: torch.Tensor) -> torch.Tensor:
         dtype = self.space.dtype if t.is_floating_point() else t.dtype
         return t.to(device=self.space.device, dtype=dtype)
 
-    def activation_bytes(self, x: torch.Tensor) -> int:
+    def activation_bytes(self, x: examples.Inputs) -> int:
         """Bytes of all leaf modules' outputs per example, from a forward pass of `x` (sizes curvature-product calls)."""
-        x = self._to_space(x)
+        x = examples.map_inputs(x, self._to_space)
         total = 0
 
         def count(module: nn.Module, args: object, output: object) -> None:
@@ -56,25 +57,26 @@ class Objective:
         finally:
             for h in handles:
                 h.remove()
-        return total // max(1, len(x))
+        return total // max(1, examples.count(x))
 
-    def outputs(self, params: Params, x: torch.Tensor) -> torch.Tensor:
-        return self.task.output(functional_call(self.model, self.space.full_state(params), (x,)))
+    def outputs(self, params: Params, x: examples.Inputs) -> torch.Tensor:
+        args, kwargs = examples.call_args(x)
+        return self.task.output(functional_call(self.model, self.space.full_state(params), args, kwargs))
 
     def batch_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.task.mean_loss(self.outputs(params, x), y)
 
     def _sample_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.batch_loss(params, x.unsqueeze(0), y.unsqueeze(0))
+        return self.batch_loss(params, examples.single(x), y.unsqueeze(0))
 
     def _sample_measurement(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.task.measurement(self.outputs(params, x.unsqueeze(0)), y.unsqueeze(0))[0]
+        return self.task.measurement(self.outputs(params, examples.single(x)), y.unsqueeze(0))[0]
 
     def per_sample_grads(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> torch.Tensor:
         """Gradients of each example's loss (of its measurement with `measure`, for queries), shape (n, p),
         vectorised with vmap over grad."""
         x, y = self.to_model(x, y)
-        self.work.gradient_rows += len(x)
+        self.work.gradient_rows += examples.count(x)
         grads = vmap(grad(self._sample_measurement if measure else self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
         return self.space.flatten(grads, batch_dims=1)
 
@@ -88,7 +90,7 @@ class Objective:
         _, pullback = vjp(lambda p: grad(self.batch_loss)(p, x, y), self.params)
 
         def apply(vectors: torch.Tensor) -> torch.Tensor:
-            self.work.product_rows += len(vectors) * len(x)
+            self.work.product_rows += len(vectors) * examples.count(x)
             out = vmap(lambda v: pullback(v)[0])(self.space.unflatten(vectors))
             return self.space.flatten(out, batch_dims=1).detach()
 
@@ -111,7 +113,7 @@ class Objective:
             return pullback(loss_hessian(jv)[0])[0]
 
         def apply(vectors: torch.Tensor) -> torch.Tensor:
-            self.work.product_rows += len(vectors) * len(x)
+            self.work.product_rows += len(vectors) * examples.count(x)
             return self.space.flatten(vmap(single)(self.space.unflatten(vectors)), batch_dims=1).detach()
 
         return apply
@@ -119,7 +121,7 @@ class Objective:
     def check_outputs(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Fail early, naming the field, when the task cannot interpret the outputs against the labels `y` (pass them
         all) or when the loss does not depend differentiably on the parameters."""
-        xs, ys = self.to_model(x[:64], y[:64])
+        xs, ys = self.to_model(examples.take(x, slice(0, 64)), y[:64])
         live = {name: p.detach().requires_grad_(True) for name, p in self.params.items()}
         out = self.outputs(live, xs)
         self.task.check(out.detach(), self._to_space(y))

@@ -9,6 +9,7 @@ import torch
 import zarr
 
 from flows.parameters import RunParameters
+from influence_core import examples
 from influence_core.pipeline import storage
 from influence_core.pipeline.loading import load_model, open_data
 from influence_core.pipeline.publish import stored_refs
@@ -54,4 +55,4 @@ def stored_model_and_data(store: RunStore, group: zarr.Group) -> tuple[torch.nn.
     refs = stored_refs(store, group.attrs)
     model = load_model(refs["fit_model"], store.options)  # type: ignore[arg-type]
     arrays = open_data(refs["prepare_data"], store.options)  # type: ignore[arg-type]
-    return model, {name: torch.from_numpy(np.asarray(arr[...])) for name, arr in arrays.items()}
+    return model, {name: examples.read(arr) for name, arr in arrays.items()}  # inputs of named fields: a dict of tensors

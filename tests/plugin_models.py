@@ -57,3 +57,52 @@ def resnet(side: int = 8, channels: int = 8, blocks: int = 1, classes: int = 10)
         *(ResidualBlock(channels) for _ in range(blocks)),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes),
     )
+
+
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype, causal: bool) -> torch.Tensor:
+    """The 2-D 0/1 padding mask as the 4-D additive mask (batch, 1, query, key) attention takes as it is: transformers
+    reads a 2-D mask's values to pick a kernel (`mask.all()`), which per-example vmap cannot trace."""
+    keep = attention_mask[:, None, None, :].bool()
+    if causal:
+        length = attention_mask.shape[-1]
+        keep = keep & torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+    return torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+class FieldsModel(nn.Module):
+    """A Hugging Face model called with named fields, `model(input_ids=..., attention_mask=...)`, returning logits."""
+
+    def __init__(self, model: nn.Module, causal: bool) -> None:
+        super().__init__()
+        self.model, self.causal = model, causal
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        dtype = next(self.model.parameters()).dtype
+        return self.model(input_ids=input_ids, attention_mask=additive_mask(attention_mask, dtype, self.causal)).logits
+
+
+def bert_fields(hidden: int = 32, layers: int = 2, heads: int = 2, vocab_size: int = 64, classes: int = 3, max_len: int = 32) -> nn.Module:
+    """bert_classifier's BERT, called on input_ids and attention_mask."""
+    return FieldsModel(bert_classifier(hidden, layers, heads, vocab_size, classes, max_len).model, causal=False)
+
+
+def gpt2_fields(n_layer: int = 2, n_embd: int = 32, n_head: int = 2, vocab_size: int = 64, n_positions: int = 16) -> nn.Module:
+    """gpt2_lm's GPT-2, called on input_ids and attention_mask."""
+    return FieldsModel(gpt2_lm(n_layer, n_embd, n_head, vocab_size, n_positions).model, causal=True)
+
+
+class MeanEmbedding(nn.Module):
+    """The mean of the unmasked token embeddings through a tanh layer and a linear head, called with input_ids and
+    attention_mask: a model of named fields small enough for every stage's options."""
+
+    def __init__(self, vocab_size: int, width: int, classes: int) -> None:
+        super().__init__()
+        self.embedding, self.hidden, self.head = nn.Embedding(vocab_size, width), nn.Linear(width, width), nn.Linear(width, classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask[..., None].to(self.embedding.weight.dtype)
+        return self.head(torch.tanh(self.hidden((self.embedding(input_ids) * mask).sum(1) / mask.sum(1).clamp_min(1))))
+
+
+def mean_embedding(vocab_size: int = 64, width: int = 8, classes: int = 3) -> nn.Module:
+    return MeanEmbedding(vocab_size, width, classes)

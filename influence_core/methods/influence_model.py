@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Self
 import torch
 from torch import nn
 
+from .. import examples
 from ..batches import Batches, Data, as_batches
 from ..blocks import BlockCurvature, BlockStructure, Regularization, block_regularization, layer_blocks, make_blocks
 from ..contraction import Batch, GradientSplit, RowOrder, Rows, compress_rows, contract, gradient_batch, materialise
@@ -241,7 +242,7 @@ class InfluenceFunctionModel(ABC):
     def gradient_split(self, x: torch.Tensor, y: torch.Tensor) -> GradientSplit:
         """Which parameters come from layer captures and which from vmap (probed once on a few rows of `x`)."""
         if self._split is None:
-            self._split = GradientSplit(self.objective, (x[:8], y[:8]))
+            self._split = GradientSplit(self.objective, (examples.take(x, slice(0, 8)), y[:8]))
         return self._split
 
     def gradient_batch(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> Batch:
@@ -280,7 +281,7 @@ class InfluenceFunctionModel(ABC):
     def features_of(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> torch.Tensor:
         """Per-example features (n, p') of (x, y), batch by batch (no fitted state needed for projections)."""
         step = self.batch_size
-        return torch.cat([self.batch_features(self.gradient_batch(x[lo : lo + step], y[lo : lo + step], measure)) for lo in range(0, len(x), step)])
+        return torch.cat([self.batch_features(self.gradient_batch(examples.take(x, slice(lo, lo + step)), y[lo : lo + step], measure)) for lo in range(0, examples.count(x), step)])
 
     def gradient_features(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> torch.Tensor:
         """Per-example representation (n, p'): the loss gradient (the measurement's with `measure`, for queries),

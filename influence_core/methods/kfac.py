@@ -17,6 +17,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from .. import examples
 from ..batches import Batches, Data
 from ..blocks import BlockCurvature
 from ..contraction import Batch
@@ -53,7 +54,7 @@ def _fisher_captures(objective: Objective, layers: list[TrackedLayer], batches: 
     for x, y in batches:
         x, y = objective.to_model(x, y)
         yield x, capture(objective.model, layers, objective.task, x, y, fisher, noise, offset, samples)
-        offset += len(x)
+        offset += examples.count(x)
 
 
 def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0, samples: int = 1) -> Sums:
@@ -66,7 +67,7 @@ def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: I
             for g in cap.g[layer.name]:
                 g64 = g.to(torch.float64)
                 _add(sums[layer.name], "s", torch.einsum("bto,btp->op", g64, g64))
-            _add(sums[layer.name], "examples", torch.tensor(float(len(x)), dtype=torch.float64))
+            _add(sums[layer.name], "examples", torch.tensor(float(examples.count(x)), dtype=torch.float64))
             _add(sums[layer.name], "positions", torch.tensor(float(a.shape[0] * a.shape[1]), dtype=torch.float64))
     return sums
 

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from .. import examples
 from ..contraction import Batch, GradientSplit, RowOrder, Rows, contract, factor_rows, weighted_squares
 from ..self_influence import Diagonal, SelfInfluencePlan, Sketch, Solve
 from ..work import Work
@@ -55,8 +56,8 @@ class Scorer:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         scores, values = [], []
-        for lo in range(0, len(x), self.im.batch_size):
-            batch = self.im.gradient_batch(x[lo : lo + self.im.batch_size], y[lo : lo + self.im.batch_size])
+        for lo in range(0, examples.count(x), self.im.batch_size):
+            batch = self.im.gradient_batch(examples.take(x, slice(lo, lo + self.im.batch_size)), y[lo : lo + self.im.batch_size])
             s, v = self.batch(batch)
             scores.append(s)
             values.append(v)

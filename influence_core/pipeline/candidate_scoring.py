@@ -23,6 +23,7 @@ from distributed import Client
 from . import storage
 from .chunks import ChunkJob, ChunkWorker, Progress, execute
 from .knn_prefilter import build_index, candidate_entries, index_kind, module_features, nearest
+from .. import examples
 from ..errors import ConfigError, NumericalError
 from .layout import DIMENSIONS
 from .refs import ScoresRef
@@ -52,8 +53,9 @@ class CandidateJob(ChunkJob):
         lo, hi = self.stage.layout.bounds(index)
         candidates = worker.held
         rows = np.unique(candidates[(candidates >= lo) & (candidates < hi)])
-        x, y = np.asarray(worker.x[lo:hi]), np.asarray(worker.y[lo:hi])
-        scores, _ = worker.scorer(torch.from_numpy(x[rows - lo]), torch.from_numpy(y[rows - lo]))
+        x, y = examples.read(worker.x, slice(lo, hi)), examples.read(worker.y, slice(lo, hi))
+        picked = torch.from_numpy(rows - lo)
+        scores, _ = worker.scorer(examples.take(x, picked), y[picked])
         assert scores is not None
         q, j, c = candidate_entries(rows, candidates)
         entries = q * candidates.shape[1] + j
@@ -80,8 +82,7 @@ def feature_rows(job: CandidateJob, split: str, lo: int, hi: int) -> np.ndarray:
     """Features (hi - lo, d) of rows lo..hi of x_train or x_test, read from the store by the task itself."""
     with torch_threads(TASK_THREADS):
         model = load_model(job.stage.model, job.options, job.stage.compute.torch_device)
-        x = np.asarray(open_data(job.stage.data, job.options)[f"x_{split}"][lo:hi])
-        return module_features(model, torch.from_numpy(x), job.spec.module)
+        return module_features(model, examples.read(open_data(job.stage.data, job.options)[f"x_{split}"], slice(lo, hi)), job.spec.module)
 
 
 def _features(job: CandidateJob, client: Client | None) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import examples
 from ..errors import ConfigError
+from ..examples import Inputs
 
 if TYPE_CHECKING:  # faiss loads when an index is built, so reading a config never pays its import
     import faiss
@@ -40,7 +42,7 @@ def resolve_module(model: nn.Module, name: str | None) -> tuple[nn.Module, bool]
 
 
 @torch.no_grad()
-def module_features(model: nn.Module, x: torch.Tensor, module: str | None = None, batch_size: int = 1024) -> np.ndarray:
+def module_features(model: nn.Module, x: Inputs, module: str | None = None, batch_size: int = 1024) -> np.ndarray:
     """Features (n, d) float32 of the rows of x: the chosen module's activations, flattened per example."""
     target, take_input = resolve_module(model, module)
     captured: list[torch.Tensor] = []
@@ -53,9 +55,9 @@ def module_features(model: nn.Module, x: torch.Tensor, module: str | None = None
     handle = target.register_forward_pre_hook(keep) if take_input else target.register_forward_hook(keep)
     try:
         first = next(model.parameters())
-        for lo in range(0, len(x), batch_size):
-            rows = x[lo : lo + batch_size].to(first.device)
-            model(rows.to(first.dtype) if rows.is_floating_point() else rows)
+        for lo in range(0, examples.count(x), batch_size):
+            rows = examples.map_inputs(examples.take(x, slice(lo, lo + batch_size)), lambda t: t.to(device=first.device, dtype=first.dtype if t.is_floating_point() else t.dtype))
+            examples.call(model, rows)
     finally:
         handle.remove()
     return np.ascontiguousarray(torch.cat(captured).numpy()) if captured else np.zeros((0, 0), np.float32)
@@ -156,5 +158,5 @@ def candidate_influences(
     candidates = knn_candidates(im.objective.model, x, x_test, k, module, index)
     rows = np.unique(candidates)
     factors = im.influence_factors(x_test, y_test)
-    scores = im.influences_from_factors(factors, x[torch.from_numpy(rows)], y[torch.from_numpy(rows)])
+    scores = im.influences_from_factors(factors, examples.take(x, torch.from_numpy(rows)), y[torch.from_numpy(rows)])
     return candidates, gather_scores(scores, rows, candidates)

@@ -11,6 +11,7 @@ import zarr
 from torch import nn
 
 from . import storage
+from .. import examples
 from ..batches import ArrayBatches, Batches, TensorBatches
 from ..contraction import Rows, stream_rows
 from ..methods import InfluenceFunctionModel
@@ -19,10 +20,18 @@ from .refs import DataRef, ModelRef, StageRef
 from .specs import MethodSpec, ModelSpec
 
 
-def open_data(data: DataRef, options: dict[str, Any]) -> dict[str, zarr.Array]:
-    """The four arrays of a prepared dataset, opened lazily (nothing is read yet)."""
+def open_data(data: DataRef, options: dict[str, Any]) -> dict[str, Any]:
+    """x_train, y_train, x_test, y_test of a prepared dataset, opened lazily (nothing is read yet); the inputs of
+    named fields (stored as x_train/input_ids, ...) come as a dict of arrays by field name."""
     group = storage.open_group(data.url, options, mode="r")
-    return {name: group[name] for name in data.arrays}  # type: ignore[misc]
+    arrays: dict[str, Any] = {}
+    for name in data.arrays:
+        split, _, field = name.partition("/")
+        if field:
+            arrays.setdefault(split, {})[field] = group[name]
+        else:
+            arrays[name] = group[name]
+    return arrays
 
 
 IN_MEMORY_BYTES = 64 * 2**20  # training sets up to this size are read once; larger ones stream from the store
@@ -36,8 +45,8 @@ def train_batches(data: DataRef, options: dict[str, Any], batch_size: int) -> Ba
     """
     arrays = open_data(data, options)
     x, y = arrays["x_train"], arrays["y_train"]
-    if x.nbytes + y.nbytes <= IN_MEMORY_BYTES:
-        return TensorBatches(torch.from_numpy(np.asarray(x[...])), torch.from_numpy(np.asarray(y[...])), batch_size)
+    if examples.nbytes(x) + y.nbytes <= IN_MEMORY_BYTES:
+        return TensorBatches(examples.read(x), examples.read(y), batch_size)
     return ArrayBatches(x, y, batch_size)
 
 
@@ -64,14 +73,14 @@ def load_influence_model(
     return im.load_state_dict(state, train=train_batches(data, options, method.batch_size))
 
 
-def read_factors(im: InfluenceFunctionModel, url: str, options: dict[str, Any], x_train: zarr.Array, y_train: zarr.Array) -> torch.Tensor | Rows:
+def read_factors(im: InfluenceFunctionModel, url: str, options: dict[str, Any], x_train: Any, y_train: zarr.Array) -> torch.Tensor | Rows:
     """The stored query factors as a scorer takes them: for methods that contract, per-layer rows filled one stored
     chunk at a time (a worker holds the factors once, never also as a flat copy); else the flat matrix."""
     array = storage.open_array(url, options)
     device = im.objective.space.device
     if not im.contracts():
         return torch.from_numpy(np.asarray(array[:])).to(device)
-    split = im.gradient_split(torch.from_numpy(np.asarray(x_train[:8])), torch.from_numpy(np.asarray(y_train[:8])))
+    split = im.gradient_split(examples.read(x_train, slice(0, 8)), examples.read(y_train, slice(0, 8)))
     step = array.chunks[0]
     blocks = ((lo, torch.from_numpy(np.asarray(array[lo : lo + step])).to(device)) for lo in range(0, array.shape[0], step))
     return stream_rows(blocks, array.shape[0], split, im.row_order, im.query_rank)

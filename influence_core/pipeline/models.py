@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from . import storage
+from .. import examples
 from ..batches import ArrayBatches
 from ..errors import ConfigError
 from ..objective import Objective
@@ -28,7 +29,10 @@ def output_width(spec: ModelSpec, data: DataRef) -> int:
 
 
 def build_model(spec: ModelSpec, data: DataRef, device: str = "cpu") -> nn.Module:
-    """The untrained module for this data, in the spec's dtype, on `device`."""
+    """The untrained module for this data, in the spec's dtype, on `device`; a built-in architecture takes one
+    input array, so named fields need a model factory."""
+    if spec.factory is None and any("/" in name for name in data.arrays):
+        raise ConfigError("dataset.inputs", f"the built-in {spec.architecture} takes one input array, not the named fields of dataset.inputs", "set model.factory to a model taking the fields as keyword arguments, or store one input array x")
     torch_dtype = getattr(torch, spec.dtype)
     return spec.build(math.prod(data.feature_shape), output_width(spec, data), tuple(data.feature_shape)).to(device=device, dtype=torch_dtype)
 
@@ -57,7 +61,7 @@ def check_model_fits(model: nn.Module, spec: ModelSpec, arrays: dict[str, Any]) 
         check_tokens(spec, arrays["x_train"], arrays["x_test"])
     x, y = arrays["x_train"], arrays["y_train"]
     try:
-        Objective(model, spec.make_task()).check_outputs(torch.from_numpy(np.asarray(x[:64])), torch.from_numpy(np.asarray(y[:])))
+        Objective(model, spec.make_task()).check_outputs(examples.read(x, slice(0, 64)), examples.read(y))
     except ConfigError as exc:
         if spec.factory is None:
             raise
@@ -87,14 +91,14 @@ def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: 
             for start in range(0, len(ys), training.batch_size):
                 idx = order[start : start + training.batch_size]
                 optimiser.zero_grad()
-                task.mean_loss(task.output(model(xs[idx])), ys[idx]).backward()
+                task.mean_loss(task.output(examples.call(model, examples.take(xs, idx))), ys[idx]).backward()
                 optimiser.step()
     model.eval()
     total = 0.0
     with torch.no_grad():
         for xb, yb in blocks:
             xb, yb = objective.to_model(xb, yb)
-            total += float(task.mean_loss(task.output(model(xb)), yb)) * len(yb)
+            total += float(task.mean_loss(task.output(examples.call(model, xb)), yb)) * len(yb)
     return total / len(blocks)
 
 

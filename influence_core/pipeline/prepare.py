@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from . import storage
 from .data import open_source, write_dataset
 from .refs import DataRef
-from .specs import DatasetSpec, NpyDataset, NpzDataset, ZarrDataset
+from .specs import DatasetSpec, HfDiskDataset, NpyDataset, NpzDataset, ParquetDataset, ZarrDataset
 from .stage import StageCall, StageInput
 from .run_store import RunStore
 
 
-FILE_SOURCES = (NpzDataset, NpyDataset, ZarrDataset)
+FILE_SOURCES = (NpzDataset, NpyDataset, ZarrDataset, HfDiskDataset, ParquetDataset)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from .layout import SCORE_CONVENTION
 from .refs import DataRef, ModelRef, StageRef, ValidationRef
 from .specs import ModelSpec
-from .report import QueryRow, lds_line, render_report, topk_rows
+from .report import QueryRow, example_view, lds_line, render_report, topk_rows
 from ..version import CODE_VERSION, source_commit
 from .loading import open_data
 from .run_store import RunStore
@@ -80,7 +80,7 @@ def query_rows(store: RunStore, data: DataRef, n_queries: int, n_show: int = 3) 
     """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples."""
     group = storage.open_group(store.influence_url, store.options, mode="r")
     arrays = open_data(data, store.options)
-    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, arrays["x_test"])
+    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, example_view(arrays["x_test"]))
 
 
 def publish(
@@ -93,8 +93,8 @@ def publish(
     arrays = open_data(data, store.options)
     validation = refs.get("validate")
     validated = validation.model_dump(include=set(VALIDATION_FIELDS)) if isinstance(validation, ValidationRef) else None
-    text = ModelSpec.model_validate(config["model"]).token_inputs  # token ids: shown as text
-    png = render_report(rows, arrays["x_test"], arrays["x_train"], data.image_shape, None if validated is None else lds_line(validated), text)
+    text = ModelSpec.model_validate(config["model"]).token_inputs or (isinstance(arrays["x_test"], dict) and "input_ids" in arrays["x_test"])  # token ids: shown as text
+    png = render_report(rows, example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, None if validated is None else lds_line(validated), text)
     summary = {
         "status": "complete",
         "finished_at": datetime.now(timezone.utc).isoformat(),

@@ -13,6 +13,7 @@ import torch
 import zarr
 
 from . import storage
+from .. import examples
 from ..methods import LissaInfluence
 from ..reduction import summed_tasks
 from .refs import DataRef, ModelRef, StageRef
@@ -73,7 +74,7 @@ def lissa_repeat(method: MethodSpec, model: ModelRef, data: DataRef, preconditio
         im = load_influence_model(method, model, data, preconditioner, options, device)
         assert isinstance(im, LissaInfluence)
         arrays = open_data(data, options)
-        x, y = torch.from_numpy(np.asarray(arrays["x_test"][...])), torch.from_numpy(np.asarray(arrays["y_test"][...]))
+        x, y = examples.read(arrays["x_test"]), examples.read(arrays["y_test"])
         return im.repeat_factors(x, y, index).cpu().numpy(), im.work.as_dict()
 
 
@@ -108,7 +109,7 @@ def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Calla
         pending: Future | None = None
         for lo in range(0, n_test, block):
             hi = min(lo + block, n_test)
-            x, y = torch.from_numpy(np.asarray(x_test[lo:hi])), torch.from_numpy(np.asarray(y_test[lo:hi]))
+            x, y = examples.read(x_test, slice(lo, hi)), examples.read(y_test, slice(lo, hi))
             f = im.influence_factors(x, y) if dense is None else im.finish_factors(torch.from_numpy(dense[lo:hi]), x, y)
             if out is None:
                 group = storage.open_group(url, store.options, mode="w")

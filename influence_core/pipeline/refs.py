@@ -37,7 +37,8 @@ class StageRef(Ref):
 
 
 class DataRef(StageRef):
-    """Train and query arrays in one Zarr group: x_train, y_train, x_test, y_test."""
+    """Train and query arrays in one Zarr group: x_train, y_train, x_test, y_test; inputs of named fields are one
+    array per field, x_train/input_ids, x_train/attention_mask, ... (see docs/examples.md)."""
 
     arrays: dict[str, Ref]
     n_classes: int | None
@@ -56,7 +57,8 @@ class DataRef(StageRef):
 
     @property
     def feature_shape(self) -> tuple[int, ...]:
-        return self.arrays["x_train"].shape[1:]
+        """The shape of one example's inputs (of its first field, for named fields)."""
+        return next(ref for name, ref in self.arrays.items() if name.split("/")[0] == "x_train").shape[1:]
 
 
 class ModelRef(StageRef):

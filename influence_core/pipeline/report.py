@@ -56,12 +56,31 @@ def _label(value: Any) -> Any:
 
 def prompted_text(ids: Any, labels: Any) -> str:
     """A query of token ids as 'prompt|completion': the completion is the span its labels score (the prompt and any
-    padding are unscored); the whole text when every label is scored."""
+    padding are unscored); the whole text when every label of a token (not padding, -1) is scored."""
     ids, scored = np.asarray(ids).ravel(), np.flatnonzero(np.asarray(labels).ravel() >= 0)
-    if len(scored) in (0, len(ids)):
+    if len(scored) in (0, int((ids >= 0).sum())):
         return decode_bytes(ids)
     start, stop = scored[0], scored[-1] + 1
     return decode_bytes(ids[:start]) + "|" + decode_bytes(ids[start:stop])
+
+
+class MaskedIds:
+    """Rows of token ids with the positions whose attention_mask is 0 as -1, which decoding drops."""
+
+    def __init__(self, ids: Any, mask: Any) -> None:
+        self.ids, self.mask = ids, mask
+
+    def __getitem__(self, rows: Any) -> np.ndarray:
+        ids = np.asarray(self.ids[rows])
+        return ids if self.mask is None else np.where(np.asarray(self.mask[rows]) == 0, -1, ids)
+
+
+def example_view(x: Any) -> Any:
+    """What the table and the report show of each example: its one input array, or of named fields the token ids
+    (padding dropped) when there are input_ids, else the first field."""
+    if not isinstance(x, dict):
+        return x
+    return MaskedIds(x["input_ids"], x.get("attention_mask")) if "input_ids" in x else next(iter(x.values()))
 
 
 def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3, x_test: Any = None) -> list[QueryRow]:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 import zarr
 
 from . import candidate_scoring, storage
+from .. import examples
 from ..errors import ConfigError
 from .chunks import ChunkJob, ChunkWorker, Progress, execute
 from .layout import DIMENSIONS
@@ -52,8 +52,7 @@ class ScoreJob(ChunkJob):
 
     def score(self, worker: ChunkWorker, index: int) -> None:
         lo, hi = self.stage.layout.bounds(index)
-        x = torch.from_numpy(np.asarray(worker.x[lo:hi]))
-        y = torch.from_numpy(np.asarray(worker.y[lo:hi]))
+        x, y = examples.read(worker.x, slice(lo, hi)), examples.read(worker.y, slice(lo, hi))
         scores, self_inf = worker.scorer(x, y)
         assert scores is not None
         scores_out, self_out = worker.held

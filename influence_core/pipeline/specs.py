@@ -107,10 +107,35 @@ class SyntheticRegressionDataset(SyntheticDataset):
 
 class PathDataset(HeldOutDataset):
     path: str | None = Field(None, title="Path", description="The file, directory, Zarr URL, or `package.module:factory` of the source.")
+    inputs: list[str] | None = Field(
+        None, title="Input fields",
+        description="Named input fields (e.g. input_ids, attention_mask, pixel_values), each its own array, passed to the model as keyword arguments: model(**fields). "
+        "Empty: one input array x, passed as model(x).",
+    )
+    target: str = Field("y", title="Target field", description="The field of the labels (e.g. labels); naming an input (input_ids) makes it the labels too, with IGNORE_INDEX where attention_mask is 0.")
+
+    @field_validator("inputs")
+    @classmethod
+    def _distinct_names(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or len(set(value)) != len(value) or not all(re.fullmatch(r"\w+", name) for name in value)):
+            raise ConfigError("dataset.inputs", f"{value} is not a list of distinct field names", "list each input field once, e.g. [input_ids, attention_mask], or leave it empty for one array x")
+        return value
+
+    def key_config(self) -> dict[str, Any]:
+        """As DatasetBase's, without the field names left at their defaults: existing configs keep their keys."""
+        config = super().key_config()
+        if self.inputs is None:
+            del config["inputs"]
+        if self.target == "y":
+            del config["target"]
+        return config
 
     @model_validator(mode="after")
     def _path_fits_source(self) -> "PathDataset":
-        needs = {"npz": "a .npz file", "npy": "a directory of .npy files", "zarr": "a Zarr group URL", "torch": "a `package.module:factory`"}
+        needs = {
+            "npz": "a .npz file", "npy": "a directory of .npy files", "zarr": "a Zarr group URL", "torch": "a `package.module:factory`",
+            "hf_disk": "a directory written by datasets' save_to_disk", "parquet": "a Parquet/Arrow file or a directory with train and test files",
+        }
         if not self.path:
             raise ConfigError("dataset.path", f"source={self.source} needs a path", f"give {needs[self.source]}")
         if self.source == "torch":
@@ -143,6 +168,24 @@ class TorchFactoryDataset(PathDataset):
     model_config = ConfigDict(title="Torch dataset factory")
 
     source: Literal["torch"] = Field("torch", title="Source", description="A `package.module:factory` returning a torch Dataset of (x, y) pairs, or a (train, test) pair.")
+
+
+class HfDiskDataset(PathDataset):
+    model_config = ConfigDict(title="Hugging Face dataset on disk")
+
+    source: Literal["hf_disk"] = Field(
+        "hf_disk", title="Source",
+        description="A datasets.Dataset (split by test_fraction) or DatasetDict (train and test splits) saved with save_to_disk; columns are fields, fixed-length lists become dimensions.",
+    )
+
+
+class ParquetDataset(PathDataset):
+    model_config = ConfigDict(title="Parquet / Arrow files")
+
+    source: Literal["parquet"] = Field(
+        "parquet", title="Source",
+        description="A local .parquet, .arrow or .feather file (split by test_fraction), or a directory with train.* and test.* files; columns are fields, fixed-length lists become dimensions.",
+    )
 
 
 class PythonDocsDataset(DatasetBase):
@@ -180,7 +223,7 @@ def _digits_by_default(value: Any) -> Any:
 
 
 DatasetSpec = Annotated[
-    Union[DigitsDataset, SyntheticClassificationDataset, SyntheticRegressionDataset, NpzDataset, NpyDataset, ZarrDataset, TorchFactoryDataset, PythonDocsDataset],
+    Union[DigitsDataset, SyntheticClassificationDataset, SyntheticRegressionDataset, NpzDataset, NpyDataset, ZarrDataset, TorchFactoryDataset, HfDiskDataset, ParquetDataset, PythonDocsDataset],
     Field(discriminator="source"),
     BeforeValidator(_digits_by_default),
     _AnyOfSchema(),

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from . import storage
+from .. import examples
+from ..objective import Objective
 from .models import build_model, checkpoint_stamp, check_model_fits, load_into, load_state, state_bytes, train
 from .refs import DataRef, ModelRef
 from .specs import ModelSpec, TrainingSpec
@@ -51,6 +53,9 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
     url = loc.path("model.pt")
     storage.write_bytes(url, raw, store.options)
     first = next(model.parameters())
+    objective = Objective(model, spec.make_task())
+    with torch.no_grad():
+        out_features = int(objective.outputs(objective.params, objective.to_model(examples.read(arrays["x_train"], slice(0, 1)), torch.zeros(1))[0]).shape[-1])
     return {
         "url": url,
         "fingerprint": loc.key,
@@ -58,7 +63,7 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         "dtype": str(first.dtype).removeprefix("torch."),
         "spec": spec.model_dump(mode="json"),
         "in_features": int(torch.Size(data.feature_shape).numel()),
-        "out_features": int(model(torch.zeros(1, *data.feature_shape, dtype=first.dtype, device=first.device)).shape[-1]),
+        "out_features": out_features,
         "feature_shape": list(data.feature_shape),
         "train_loss": train_loss,
     }

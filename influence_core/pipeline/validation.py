@@ -16,6 +16,7 @@ import torch
 from distributed import as_completed
 
 from . import storage
+from .. import examples
 from ..errors import ConfigError
 from ..lds import linear_datamodeling_score
 from .models import build_model, train
@@ -72,16 +73,16 @@ def measure_subset(job: ValidationJob, index: int) -> list[float]:
     """One Dask task: train the run's model on subset `index` and measure the first queries (the task's measurement)."""
     arrays = open_data(job.data, job.options)
     mask = subset_mask(job.spec, index, job.data.n_train)
-    x, y = np.asarray(arrays["x_train"][...])[mask], np.asarray(arrays["y_train"][...])[mask]
+    x, y = examples.map_inputs(arrays["x_train"], lambda a: np.asarray(a[...])[mask]), np.asarray(arrays["y_train"][...])[mask]
     with torch_threads(job.threads), torch.random.fork_rng():
         torch.manual_seed(job.training.seed)
         model = build_model(job.model, job.data, job.device)
         train(model, job.model, job.training, x, y)
         task = job.model.make_task()
         objective = Objective(model, task)
-        xq, yq = objective.to_model(torch.from_numpy(np.asarray(arrays["x_test"][: job.queries])), torch.from_numpy(np.asarray(arrays["y_test"][: job.queries])))
+        xq, yq = objective.to_model(examples.read(arrays["x_test"], slice(0, job.queries)), examples.read(arrays["y_test"], slice(0, job.queries)))
         with torch.no_grad():
-            measured = task.measurement(task.output(model(xq)), yq)
+            measured = task.measurement(task.output(examples.call(model, xq)), yq)
     values = [float(v) for v in measured.reshape(job.queries, -1).sum(dim=1)]
     storage.write_json(job.subset_url(index), {"index": index, "measured": values}, job.options)
     return values

@@ -40,7 +40,7 @@ def test_methods_and_cluster_kinds_are_choices():
     assert defs["ClusterKind"]["enum"] == ["local", "cuda", "address", "sequential"]
 
 
-DATASET_DEFS = ["DigitsDataset", "SyntheticClassificationDataset", "SyntheticRegressionDataset", "NpzDataset", "NpyDataset", "ZarrDataset", "TorchFactoryDataset", "PythonDocsDataset"]
+DATASET_DEFS = ["DigitsDataset", "SyntheticClassificationDataset", "SyntheticRegressionDataset", "NpzDataset", "NpyDataset", "ZarrDataset", "TorchFactoryDataset", "HfDiskDataset", "ParquetDataset", "PythonDocsDataset"]
 
 
 def test_dataset_sources_are_choices_each_with_its_own_fields():
@@ -55,7 +55,7 @@ def test_dataset_sources_are_choices_each_with_its_own_fields():
         "digits": common | {"test_fraction"},
         "synthetic_classification": common | {"n_features", "noise", "n_classes"},
         "synthetic_regression": common | {"n_features", "noise"},
-        **{name: common | {"test_fraction", "path"} for name in ("npz", "npy", "zarr", "torch")},
+        **{name: common | {"test_fraction", "path", "inputs", "target"} for name in ("npz", "npy", "zarr", "torch", "hf_disk", "parquet")},
         "python_docs": common | {"window", "queries"},
     }
     demo = RunParameters().public_config()["dataset"]

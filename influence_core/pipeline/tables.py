@@ -1,0 +1,112 @@
+"""Arrow tables as named arrays: local Parquet and Arrow/Feather files, and Hugging Face `datasets` saved to disk.
+pyarrow and datasets (the `data` extra) are imported only here, when such a source is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+
+SPLITS = ("train", "test")
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
+
+
+def _require(module: str) -> Any:
+    """Import pyarrow or datasets, or say which extra installs them."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError("dataset.source", f"this source needs {module}, which is not installed", "pip install 'influence-pipeline[data]' (pyarrow and datasets)") from None
+
+
+class ArrowColumn:
+    """One column of a table as an array-like: `shape`, and rows (a slice or indices) read into numpy. Fixed-length
+    (nested) lists become trailing dimensions (token ids (n, T), images (n, C, H, W)); ragged lists are refused."""
+
+    def __init__(self, column: Any, name: str) -> None:
+        pa = _require("pyarrow")
+        self.column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        self.shape = (len(self.column), *_inner_shape(self.column, name))
+
+    def __getitem__(self, rows: Any) -> np.ndarray:
+        if isinstance(rows, slice):
+            start, stop, _ = rows.indices(len(self.column))
+            part = self.column.slice(start, max(0, stop - start))
+        else:
+            part = self.column.take(np.asarray(rows))
+        values = part
+        while _is_list(values.type):
+            values = values.flatten()
+        return values.to_numpy(zero_copy_only=False).reshape(len(part), *self.shape[1:])
+
+
+def _is_list(kind: Any) -> bool:
+    pa = _require("pyarrow")
+    return bool(pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
+
+
+def _inner_shape(column: Any, name: str) -> tuple[int, ...]:
+    """The dimensions below the rows: one per level of list nesting, each of one length throughout the column."""
+    pc = _require("pyarrow.compute")
+    shape: list[int] = []
+    values = column
+    while _is_list(values.type):
+        lengths = pc.list_value_length(values)
+        low, high = pc.min(lengths).as_py(), pc.max(lengths).as_py()
+        if values.null_count or (len(values) and low != high):
+            raise ConfigError(
+                "dataset.path", f"column {name!r} holds lists of different lengths ({low} to {high}) or missing values",
+                f"pad {name} to one length (and give an attention_mask), e.g. tokenizer(..., padding='max_length', max_length={high})",
+            )
+        shape.append(int(high or 0))
+        values = values.flatten()
+    return tuple(shape)
+
+
+def table_arrays(table: Any, suffix: str = "") -> dict[str, ArrowColumn]:
+    """Every column of a pyarrow Table as an ArrowColumn, named column + suffix (`_train`, `_test` or none)."""
+    return {f"{name}{suffix}": ArrowColumn(table.column(name), name) for name in table.column_names}
+
+
+def _read_table(path: Path) -> Any:
+    """A Parquet or Arrow/Feather file as a pyarrow Table, memory-mapped where the format allows."""
+    if path.suffix == ".parquet":
+        return _require("pyarrow.parquet").read_table(path, memory_map=True)
+    pa, ipc = _require("pyarrow"), _require("pyarrow.ipc")
+    try:
+        return ipc.open_file(pa.memory_map(str(path))).read_all()
+    except pa.ArrowInvalid:  # an Arrow stream (what datasets writes), not the file format
+        return ipc.open_stream(pa.memory_map(str(path))).read_all()
+
+
+def file_arrays(path: str) -> dict[str, ArrowColumn]:
+    """A Parquet/Arrow file (one set, split by the hold-out), or a directory with train.* and test.* files."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        return table_arrays(_read_table(root))
+    found = {split: [p for p in sorted(root.iterdir()) if p.stem == split and p.suffix in TABLE_SUFFIXES] for split in SPLITS}
+    if not all(found.values()):
+        raise ConfigError("dataset.path", f"{path!r} has no train and test files ({', '.join(TABLE_SUFFIXES)})", "give one file (split by test_fraction), or a directory with train.parquet and test.parquet")
+    return {name: column for split in SPLITS for name, column in table_arrays(_read_table(found[split][0]), f"_{split}").items()}
+
+
+def hf_disk_arrays(path: str) -> dict[str, ArrowColumn]:
+    """A `datasets.Dataset` (split by the hold-out) or `DatasetDict` (its train and test splits, or train alone split
+    by the hold-out) saved with save_to_disk."""
+    datasets = _require("datasets")
+    try:
+        loaded = datasets.load_from_disk(str(Path(path).expanduser()))
+    except FileNotFoundError as exc:
+        raise ConfigError("dataset.path", f"{path!r} is not a dataset saved with save_to_disk ({exc})", "give the directory written by Dataset.save_to_disk or DatasetDict.save_to_disk") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if set(SPLITS) <= loaded.keys():
+            return {name: column for split in SPLITS for name, column in table_arrays(loaded[split].with_format("arrow")[:], f"_{split}").items()}
+        if "train" not in loaded:
+            raise ConfigError("dataset.path", f"{path!r} holds the splits {sorted(loaded)}", "save a DatasetDict with train (and test) splits, or one Dataset")
+        loaded = loaded["train"]
+    return table_arrays(loaded.with_format("arrow")[:])
