@@ -215,21 +215,24 @@ def agreement(results: dict[str, Any]) -> None:
     from scipy.stats import pearsonr, spearmanr
 
     def load(run: dict[str, Any]) -> np.ndarray | None:
+        """The last good repetition's scores; None when there is none or its file is gone (a merged older run
+        keeps the agreement it recorded)."""
         good = [r for r in run["reps"] if execute.ok(r)]
-        return np.load(good[-1]["scores_file"]).astype(np.float64) if good else None
+        return np.load(good[-1]["scores_file"]).astype(np.float64) if good and Path(good[-1]["scores_file"]).exists() else None
 
     def corr(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
         """Correlations of a with b, and the least-squares scale of a on b (1 when the two share a scale)."""
         a, b = a.ravel(), b.ravel()
         return {"pearson": float(pearsonr(a, b)[0]), "spearman": float(spearmanr(a, b)[0]), "scale": float(a @ b / (b @ b)), "pairs": int(a.size)}
 
-    exact = {w: {m: np.load(r["file"]) for m, r in refs.items() if "file" in r} for w, refs in results["references"].items()}
+    exact = {w: {m: np.load(r["file"]) for m, r in refs.items() if "file" in r and Path(r["file"]).exists()} for w, refs in results["references"].items()}
     for key, run in results["runs"].items():
         scores = load(run)
         if scores is None or not np.isfinite(scores).all():
             continue
         refs = exact.get(run["workload"], {})
-        run["vs_exact"] = {m: corr(scores[: len(e)], e) for m, e in refs.items()}
+        if refs or "vs_exact" not in run:
+            run["vs_exact"] = {m: corr(scores[: len(e)], e) for m, e in refs.items()}
     for key, run in results["runs"].items():  # low-rank query factors against the same side's full rank
         options = run["config"]["options"]
         if "query_rank" in options:
@@ -248,7 +251,7 @@ def agreement(results: dict[str, Any]) -> None:
     for entry in results["pipelines"]:
         good = [r for r in entry["reps"] if execute.ok(r)]
         lib = load(results["runs"][entry["library"]])
-        if good and lib is not None:
+        if good and lib is not None and Path(good[-1]["scores_file"]).exists():
             entry["vs_library"] = corr(np.load(good[-1]["scores_file"]), lib)
 
 

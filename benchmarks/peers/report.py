@@ -236,7 +236,9 @@ def w4_targets(results: dict[str, Any], pipes: dict[str, dict[str, float]], verd
                      f"{speedup:.2f}× | {verdict(speedup >= factor)} |")
     exact = [run.get("vs_exact", {}).get("ggn", {}).get("pearson") for run in runs]
     if None in exact:
-        lines.append(f"| W4 agreement with the converged CG answer ≥ Kronfluence's | no converged answer ({execute.outcome(results['references'].get('W4', {}).get('ggn', {}))}) | {verdict(None)} |")
+        ref = results["references"].get("W4", {}).get("ggn")
+        why = "not computed: it needs a GPU (see Not run)" if ref is None else execute.outcome(ref)
+        lines.append(f"| W4 agreement with the converged CG answer ≥ Kronfluence's | no converged answer ({why}) | {verdict(None)} |")
     else:
         lines.append(f"| W4 agreement with the converged CG answer ≥ Kronfluence's | Pearson ours {exact[0]:.4f}, Kronfluence {exact[1]:.4f} | {verdict(exact[0] >= exact[1])} |")
     if "W4" in pipes:
