@@ -77,10 +77,30 @@ class MaskedIds:
 
 def example_view(x: Any) -> Any:
     """What the table and the report show of each example: its one input array, or of named fields the token ids
-    (padding dropped) when there are input_ids, else the first field."""
+    (padding dropped) when there are input_ids, else the images (pixel_values, or the first field of examples
+    shaped (H, W) or (C, H, W)), else the first field."""
     if not isinstance(x, dict):
         return x
-    return MaskedIds(x["input_ids"], x.get("attention_mask")) if "input_ids" in x else next(iter(x.values()))
+    if "input_ids" in x:
+        return MaskedIds(x["input_ids"], x.get("attention_mask"))
+    if "pixel_values" in x:
+        return x["pixel_values"]
+    return next((a for a in x.values() if len(a.shape) in (3, 4)), next(iter(x.values())))
+
+
+def image_of(features: np.ndarray, image_shape: tuple[int, ...] | None) -> np.ndarray | None:
+    """An example as imshow draws it: reshaped to the source's image shape, an (H, W) array as is, or (C, H, W)
+    with 1, 3 or 4 channels as (H, W) or (H, W, C) scaled to [0, 1]; None when it is no image."""
+    if image_shape:
+        return features.reshape(image_shape)
+    if features.ndim == 2:
+        return features
+    if features.ndim != 3 or features.shape[0] not in (1, 3, 4) or min(features.shape[1:]) < 2:
+        return None
+    if features.shape[0] == 1:
+        return features[0]
+    low, high = float(features.min()), float(features.max())
+    return np.moveaxis((features - low) / (high - low if high > low else 1.0), 0, -1)
 
 
 def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3, x_test: Any = None) -> list[QueryRow]:
@@ -131,8 +151,8 @@ def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: 
             if text:  # a query reads 'prompt|completion' (its label), a training example its whole window
                 shown_text = label if kind == "query" and isinstance(label, str) else decode_bytes(features, 4 * TEXT_CHARS)
                 ax.text(0.03, 0.97, "\n".join(textwrap.wrap(shown_text, 18, replace_whitespace=False)[:8]), fontsize=5.5, family="monospace", va="top", transform=ax.transAxes)
-            elif image_shape:
-                ax.imshow(features.reshape(image_shape), cmap="gray_r")
+            elif (image := image_of(features, image_shape)) is not None:
+                ax.imshow(image, cmap="gray_r")
             elif features.size <= TABLE_COLUMNS:  # a table row: its values
                 ax.text(0.03, 0.97, row_text(features), fontsize=5.5, family="monospace", va="top", transform=ax.transAxes)
             else:

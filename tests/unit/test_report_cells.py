@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from influence_core.pipeline.report import TEXT_CHARS, decode_bytes, prompted_text, row_text
+from influence_core.pipeline.report import TEXT_CHARS, decode_bytes, example_view, image_of, prompted_text, row_text
 
 
 def test_token_ids_read_as_bytes_with_line_breaks_marked_and_long_texts_cut():
@@ -26,3 +26,16 @@ def test_a_prompted_query_reads_prompt_bar_completion():
 
 def test_a_table_row_shows_each_value():
     assert row_text(np.array([0.5, -1.25, 3.0], dtype=np.float32)).splitlines() == ["x0  0.5", "x1  -1.25", "x2  3"]
+
+
+def test_images_are_drawn_as_images_whatever_their_source():
+    """(C, H, W) and (H, W) examples are images even without the source's image_shape; flat rows are not; named
+    fields show pixel_values (or the field shaped like images) rather than the first field."""
+    gray, rgb = np.arange(64.0).reshape(1, 8, 8), np.stack([np.full((4, 4), v) for v in (0.0, 5.0, 10.0)])
+    np.testing.assert_array_equal(image_of(gray, None), gray[0])
+    assert image_of(rgb, None).shape == (4, 4, 3) and image_of(rgb, None).min() == 0.0 and image_of(rgb, None).max() == 1.0
+    np.testing.assert_array_equal(image_of(np.arange(64.0), (8, 8)), np.arange(64.0).reshape(8, 8))
+    assert image_of(np.arange(64.0), None) is None and image_of(np.zeros((5, 8, 8)), None) is None
+    fields = {"mask": np.ones((2, 7)), "pixel_values": np.zeros((2, 3, 4, 4))}
+    assert example_view(fields) is fields["pixel_values"]
+    assert example_view({"ids": np.ones((2, 7)), "image": np.zeros((2, 1, 8, 8))})[0].shape == (1, 8, 8)
