@@ -39,10 +39,45 @@ class ArrowColumn:
             part = self.column.slice(start, max(0, stop - start))
         else:
             part = self.column.take(np.asarray(rows))
-        values = part
-        while _is_list(values.type):
-            values = values.flatten()
-        return values.to_numpy(zero_copy_only=False).reshape(len(part), *self.shape[1:])
+        return _numpy(part, self.shape[1:])
+
+
+class ParquetColumn:
+    """One column of a Parquet file as an array-like read row group by row group: the rows asked for come off disk
+    (with the groups holding them), so a file larger than memory streams into Zarr. Shapes as ArrowColumn's."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self.file, self.name = _require("pyarrow.parquet").ParquetFile(path, memory_map=True), name
+        groups = self.file.metadata.num_row_groups
+        self.starts = np.cumsum([0] + [self.file.metadata.row_group(g).num_rows for g in range(groups)])
+        inner = {_inner_shape(self._group(g), name) for g in range(groups)}  # one group in memory at a time
+        if len(inner) > 1:
+            raise ConfigError("dataset.path", f"column {name!r} holds lists of different lengths {sorted(inner)}", f"pad {name} to one length (and give an attention_mask)")
+        self.shape = (int(self.starts[-1]), *(inner.pop() if inner else ()))
+
+    def _group(self, g: int) -> Any:
+        return self.file.read_row_group(g, columns=[self.name]).column(0).combine_chunks()
+
+    def __getitem__(self, rows: Any) -> np.ndarray:
+        n = self.shape[0]
+        wanted = np.arange(n)[rows] if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(wanted), *self.shape[1:]), dtype=self._dtype())
+        groups = np.searchsorted(self.starts, wanted, side="right") - 1
+        for g in np.unique(groups):
+            mine = groups == g
+            out[mine] = _numpy(self._group(int(g)), self.shape[1:])[wanted[mine] - self.starts[g]]
+        return out
+
+    def _dtype(self) -> np.dtype:
+        return _numpy(self.file.read_row_group(0, columns=[self.name]).column(0).slice(0, 1).combine_chunks(), self.shape[1:]).dtype
+
+
+def _numpy(part: Any, inner: tuple[int, ...]) -> np.ndarray:
+    """An Arrow array of rows (lists flattened level by level) as numpy (rows, *inner)."""
+    values = part
+    while _is_list(values.type):
+        values = values.flatten()
+    return values.to_numpy(zero_copy_only=False).reshape(len(part), *inner)
 
 
 def _is_list(kind: Any) -> bool:
@@ -73,10 +108,16 @@ def table_arrays(table: Any, suffix: str = "") -> dict[str, ArrowColumn]:
     return {f"{name}{suffix}": ArrowColumn(table.column(name), name) for name in table.column_names}
 
 
+def _file_columns(path: Path, suffix: str = "") -> dict[str, Any]:
+    """The columns of a Parquet file (read by row group) or an Arrow/Feather file (memory-mapped), named + suffix."""
+    if path.suffix != ".parquet":
+        return table_arrays(_read_table(path), suffix)
+    names = _require("pyarrow.parquet").ParquetFile(path).schema_arrow.names
+    return {f"{name}{suffix}": ParquetColumn(path, name) for name in names}
+
+
 def _read_table(path: Path) -> Any:
-    """A Parquet or Arrow/Feather file as a pyarrow Table, memory-mapped where the format allows."""
-    if path.suffix == ".parquet":
-        return _require("pyarrow.parquet").read_table(path, memory_map=True)
+    """An Arrow/Feather file (the IPC file or stream format) as a memory-mapped pyarrow Table."""
     pa, ipc = _require("pyarrow"), _require("pyarrow.ipc")
     try:
         return ipc.open_file(pa.memory_map(str(path))).read_all()
@@ -84,15 +125,15 @@ def _read_table(path: Path) -> Any:
         return ipc.open_stream(pa.memory_map(str(path))).read_all()
 
 
-def file_arrays(path: str) -> dict[str, ArrowColumn]:
+def file_arrays(path: str) -> dict[str, Any]:
     """A Parquet/Arrow file (one set, split by the hold-out), or a directory with train.* and test.* files."""
     root = Path(path).expanduser()
     if root.is_file():
-        return table_arrays(_read_table(root))
+        return _file_columns(root)
     found = {split: [p for p in sorted(root.iterdir()) if p.stem == split and p.suffix in TABLE_SUFFIXES] for split in SPLITS}
     if not all(found.values()):
         raise ConfigError("dataset.path", f"{path!r} has no train and test files ({', '.join(TABLE_SUFFIXES)})", "give one file (split by test_fraction), or a directory with train.parquet and test.parquet")
-    return {name: column for split in SPLITS for name, column in table_arrays(_read_table(found[split][0]), f"_{split}").items()}
+    return {name: column for split in SPLITS for name, column in _file_columns(found[split][0], f"_{split}").items()}
 
 
 def hf_disk_arrays(path: str) -> dict[str, ArrowColumn]:
