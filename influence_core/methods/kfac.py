@@ -63,13 +63,27 @@ def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: I
     for x, cap in _fisher_captures(objective, layers, batches, fisher, ExampleNoise(seed, COVARIANCE_STREAM), offset, samples):
         for layer in layers:
             a = cap.a[layer.name].to(torch.float64)
+            kept = padding_mask(x, a)
+            if kept is not None:
+                a = a * kept[..., None]
             _add(sums[layer.name], "a", torch.einsum("bti,btj->ij", a, a))
             for g in cap.g[layer.name]:
                 g64 = g.to(torch.float64)
                 _add(sums[layer.name], "s", torch.einsum("bto,btp->op", g64, g64))
             _add(sums[layer.name], "examples", torch.tensor(float(examples.count(x)), dtype=torch.float64))
-            _add(sums[layer.name], "positions", torch.tensor(float(a.shape[0] * a.shape[1]), dtype=torch.float64))
+            positions = float(a.shape[0] * a.shape[1]) if kept is None else kept.sum()
+            _add(sums[layer.name], "positions", torch.as_tensor(positions, dtype=torch.float64))
     return sums
+
+
+def padding_mask(x: examples.Inputs, a: torch.Tensor) -> torch.Tensor | None:
+    """(B, T) 0/1 weights of a layer's positions from the inputs' `attention_mask` field when the layer sees those
+    T positions: padding adds nothing to the input covariance nor to the positions counted (its output gradients
+    are zero already, so the per-example gradients and EK-FAC's correction need no mask); None without one."""
+    mask = x.get("attention_mask") if isinstance(x, dict) else None
+    if mask is None or tuple(mask.shape) != tuple(a.shape[:2]):
+        return None
+    return (mask != 0).to(a)
 
 
 def correction_sums(objective: Objective, layers: list[TrackedLayer], bases: dict[str, tuple[torch.Tensor, torch.Tensor]], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], fisher: FisherKind, seed: int, offset: int = 0, samples: int = 1) -> Sums:
