@@ -26,7 +26,7 @@ def publish_run(store: RunStore, refs: dict[str, StageRef], config: dict[str, An
     data = refs["prepare_data"]
     assert isinstance(data, DataRef)
     shown = min(aggregate.top_k, TABLE_MAX_K)
-    table = publish.query_rows(store, data, aggregate.report_queries, shown)
+    table = publish.query_rows(store, data, config["model"], aggregate.report_queries, shown)
     of = "" if shown == aggregate.top_k else f" (of top_k={aggregate.top_k}; all are in influence.zarr)"
     create_table_artifact(table_records(table), key="influence-topk", description=f"The {shown} most helpful and {shown} most harmful training examples{of} for the first {len(rows)} queries")
     create_image_artifact(report_data_url(store), key="influence-report", description=f"report.png ({summary['report']}): queries beside their most helpful and most harmful training examples")

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from .layout import SCORE_CONVENTION
 from .refs import DataRef, ModelRef, StageRef, ValidationRef
 from .specs import ModelSpec
-from .report import QueryRow, example_view, lds_line, render_report, topk_rows
+from .report import Decode, QueryRow, example_view, lds_line, render_report, topk_rows
 from ..version import CODE_VERSION, source_commit
 from .loading import open_data
 from .run_store import RunStore
@@ -76,11 +76,17 @@ def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
         del group[name]
 
 
-def query_rows(store: RunStore, data: DataRef, n_queries: int, n_show: int = 3) -> list[QueryRow]:
-    """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples."""
+def query_rows(store: RunStore, data: DataRef, model: dict[str, Any], n_queries: int, n_show: int = 3) -> list[QueryRow]:
+    """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples, token ids
+    read as text by the run's task (`model`: the run's model section)."""
     group = storage.open_group(store.influence_url, store.options, mode="r")
     arrays = open_data(data, store.options)
-    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, example_view(arrays["x_test"]))
+    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, example_view(arrays["x_test"]), task_decode(model))
+
+
+def task_decode(model: dict[str, Any]) -> Decode:
+    """The run's task's `decode` (its tokenizer, or the byte-level default), for the table and the report."""
+    return ModelSpec.model_validate(model).make_task().decode
 
 
 def publish(
@@ -89,12 +95,12 @@ def publish(
     """Write report.png and summary.json, then the group attributes; `status` becomes complete last."""
     data = refs["prepare_data"]
     assert isinstance(data, DataRef)
-    rows = query_rows(store, data, n_queries)
+    rows = query_rows(store, data, config["model"], n_queries)
     arrays = open_data(data, store.options)
     validation = refs.get("validate")
     validated = validation.model_dump(include=set(VALIDATION_FIELDS)) if isinstance(validation, ValidationRef) else None
     text = ModelSpec.model_validate(config["model"]).token_inputs or (isinstance(arrays["x_test"], dict) and "input_ids" in arrays["x_test"])  # token ids: shown as text
-    png = render_report(rows, example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, None if validated is None else lds_line(validated), text)
+    png = render_report(rows, example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, None if validated is None else lds_line(validated), text, task_decode(config["model"]))
     summary = {
         "status": "complete",
         "finished_at": datetime.now(timezone.utc).isoformat(),
@@ -169,4 +175,4 @@ def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tupl
         raise ConfigError("--top", f"{n_show} is more than the {stored} examples per query the run stores (its top_k)", f"give --top {stored} or less, or run again with aggregate.top_k={n_show}")
     data = stored_refs(store, group.attrs)["prepare_data"]
     assert isinstance(data, DataRef)
-    return dict(group.attrs), query_rows(store, data, n_queries, stored if n_show is None else n_show)
+    return dict(group.attrs), query_rows(store, data, group.attrs["config"]["model"], n_queries, stored if n_show is None else n_show)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import io
 import json
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ..task.base import byte_text
 
 
 @dataclass(frozen=True)
@@ -29,12 +32,15 @@ class QueryRow:
 TEXT_CHARS = 48  # decoded text shown per example in the table and the report
 
 
-def decode_bytes(ids: Any, limit: int = TEXT_CHARS) -> str:
-    """Byte-level text of token ids (the default tokenizer): unscored ids (negative) dropped, line breaks shown as ⏎,
-    cut to `limit` characters."""
+Decode = Callable[[list[int]], str]  # token ids to text: the task's `decode` (a tokenizer; byte-level by default)
+
+
+def decode_bytes(ids: Any, limit: int = TEXT_CHARS, decode: Decode = byte_text) -> str:
+    """Text of token ids by `decode` (byte-level by default): unscored ids (negative) dropped, line breaks shown as ⏎,
+    other control characters as �, cut to `limit` characters."""
     values = np.asarray(ids).ravel()
-    raw = bytes(int(v) for v in values[(values >= 0) & (values < 256)])
-    text = raw.decode("utf-8", errors="replace").replace("\n", "⏎").replace("\t", " ")
+    text = decode([int(v) for v in values[values >= 0]]).replace("\n", "⏎").replace("\t", " ")
+    text = "".join(c if c.isprintable() or c == " " else "\ufffd" for c in text)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -46,22 +52,22 @@ def row_text(features: Any) -> str:
     return "\n".join(f"x{i:<2d} {v:.4g}" for i, v in enumerate(np.asarray(features, dtype=np.float64).ravel()))
 
 
-def _label(value: Any) -> Any:
+def _label(value: Any, decode: Decode = byte_text) -> Any:
     """A class index, a rounded target, or the text of a sequence of token labels."""
     array = np.asarray(value)
     if array.size > 1:
-        return decode_bytes(array)
+        return decode_bytes(array, decode=decode)
     return int(value) if np.issubdtype(array.dtype, np.integer) else round(float(value), 4)
 
 
-def prompted_text(ids: Any, labels: Any) -> str:
+def prompted_text(ids: Any, labels: Any, decode: Decode = byte_text) -> str:
     """A query of token ids as 'prompt|completion': the completion is the span its labels score (the prompt and any
     padding are unscored); the whole text when every label of a token (not padding, -1) is scored."""
     ids, scored = np.asarray(ids).ravel(), np.flatnonzero(np.asarray(labels).ravel() >= 0)
     if len(scored) in (0, int((ids >= 0).sum())):
-        return decode_bytes(ids)
+        return decode_bytes(ids, decode=decode)
     start, stop = scored[0], scored[-1] + 1
-    return decode_bytes(ids[:start]) + "|" + decode_bytes(ids[start:stop])
+    return decode_bytes(ids[:start], decode=decode) + "|" + decode_bytes(ids[start:stop], decode=decode)
 
 
 class MaskedIds:
@@ -103,9 +109,10 @@ def image_of(features: np.ndarray, image_shape: tuple[int, ...] | None) -> np.nd
     return np.moveaxis((features - low) / (high - low if high > low else 1.0), 0, -1)
 
 
-def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3, x_test: Any = None) -> list[QueryRow]:
+def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3, x_test: Any = None, decode: Decode = byte_text) -> list[QueryRow]:
     """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples; with
-    sequence labels (language modelling) a query reads as its 'prompt|completion' text from `x_test`."""
+    sequence labels (language modelling) a query reads as its 'prompt|completion' text from `x_test`, token ids
+    decoded by `decode`."""
     n = min(n_queries, y_test.shape[0])
     arrays = {name: np.asarray(group[name][:n, :n_show]) for name in ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores")}
     needed = np.unique(np.concatenate([arrays["topk_helpful_indices"].ravel(), arrays["topk_harmful_indices"].ravel()]))
@@ -114,17 +121,19 @@ def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int
 
     def neighbours(kind: str, q: int) -> list[Neighbour]:
         idx, val = arrays[f"topk_{kind}_indices"][q], arrays[f"topk_{kind}_scores"][q]
-        return [Neighbour(int(i), _label(train_labels[int(i)]), float(s)) for i, s in zip(idx, val)]
+        return [Neighbour(int(i), _label(train_labels[int(i)], decode), float(s)) for i, s in zip(idx, val)]
 
     if test_labels.ndim > 1 and x_test is not None:
         queries = np.asarray(x_test[:n])
-        labels = [prompted_text(queries[q], test_labels[q]) for q in range(n)]
+        labels = [prompted_text(queries[q], test_labels[q], decode) for q in range(n)]
     else:
-        labels = [_label(value) for value in test_labels]
+        labels = [_label(value, decode) for value in test_labels]
     return [QueryRow(q, labels[q], neighbours("helpful", q), neighbours("harmful", q)) for q in range(n)]
 
 
-def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None, note: str | None = None, text: bool = False) -> bytes:
+def render_report(
+    rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None, note: str | None = None, text: bool = False, decode: Decode = byte_text
+) -> bytes:
     """PNG: one line per query: the query, then its most helpful and most harmful training examples.
 
     Images are drawn when the data are images, the decoded text when the features are token ids (`text`);
@@ -149,7 +158,7 @@ def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: 
             colour = {"query": "black", "helpful": "tab:green", "harmful": "tab:red"}[kind]
             features = np.asarray(source[index])
             if text:  # a query reads 'prompt|completion' (its label), a training example its whole window
-                shown_text = label if kind == "query" and isinstance(label, str) else decode_bytes(features, 4 * TEXT_CHARS)
+                shown_text = label if kind == "query" and isinstance(label, str) else decode_bytes(features, 4 * TEXT_CHARS, decode)
                 ax.text(0.03, 0.97, "\n".join(textwrap.wrap(shown_text, 18, replace_whitespace=False)[:8]), fontsize=5.5, family="monospace", va="top", transform=ax.transAxes)
             elif (image := image_of(features, image_shape)) is not None:
                 ax.imshow(image, cmap="gray_r")

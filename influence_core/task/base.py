@@ -49,6 +49,11 @@ class Task(ABC):
         """Per-example query measurements (B,), whose gradients the queries' scores take: by default the loss."""
         return self.loss(outputs, targets)
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids, as reports show it (padding and unscored ids already dropped): by default bytes of a
+        byte-level vocabulary read as UTF-8; a task over a tokenizer's vocabulary returns `tokenizer.decode(ids)`."""
+        return byte_text(ids)
+
     def fisher_passes(self, outputs: torch.Tensor) -> int:
         """Backward passes per example that the exact Fisher takes (one per column of its square root)."""
         return outputs[0].numel()
@@ -78,6 +83,11 @@ class Task(ABC):
         z = noise.normal(offset, offset + n, (n, samples, c), outputs).transpose(0, 1).reshape(samples * n, c)
         roots = lanczos_sqrt(hvp, z, LANCZOS_STEPS).reshape(samples, *outputs.shape)
         return list(samples**-0.5 * roots)
+
+
+def byte_text(ids: list[int]) -> str:
+    """Token ids of a byte-level vocabulary (0-255) as UTF-8 text, undecodable bytes as �."""
+    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 def lanczos_sqrt(hvp: Any, z: torch.Tensor, steps: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from influence_core.pipeline.report import TEXT_CHARS, decode_bytes, example_view, image_of, prompted_text, row_text
+from influence_core.pipeline.report import TEXT_CHARS, decode_bytes, example_view, image_of, prompted_text, row_text, topk_rows
 
 
 def test_token_ids_read_as_bytes_with_line_breaks_marked_and_long_texts_cut():
@@ -39,3 +39,21 @@ def test_images_are_drawn_as_images_whatever_their_source():
     fields = {"mask": np.ones((2, 7)), "pixel_values": np.zeros((2, 3, 4, 4))}
     assert example_view(fields) is fields["pixel_values"]
     assert example_view({"ids": np.ones((2, 7)), "image": np.zeros((2, 1, 8, 8))})[0].shape == (1, 8, 8)
+
+
+def test_token_text_comes_from_the_task_decoder():
+    """A task over a tokenizer's vocabulary decodes its own ids (here: a word per id) in the table's prompt|completion
+    labels and cells; the default reads bytes, showing control characters as �."""
+    words = {0: "the", 1: "cat", 2: "sat", 300: "mat"}
+
+    def decode(ids: list[int]) -> str:
+        return " ".join(words[i] for i in ids)
+
+    ids, labels = np.array([0, 1, 2, 300]), np.array([-100, -100, 2, 300])
+    assert prompted_text(ids, labels, decode) == "the cat|sat mat"
+    assert decode_bytes(np.array([0, 300, -100]), decode=decode) == "the mat"
+    assert decode_bytes(np.array([104, 105, 7, 10])) == "hi\ufffd⏎"
+    group = {"topk_helpful_indices": np.array([[1]]), "topk_helpful_scores": np.array([[2.0]]), "topk_harmful_indices": np.array([[0]]), "topk_harmful_scores": np.array([[-1.0]])}
+    y_train = np.array([[0, 1, 2], [2, 300, 1]])
+    rows = topk_rows(group, y_train, labels[None, :], 1, 1, ids[None, :], decode)
+    assert rows[0].label == "the cat|sat mat" and rows[0].helpful[0].label == "sat mat cat" and rows[0].harmful[0].label == "the cat sat"
