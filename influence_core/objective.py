@@ -77,7 +77,12 @@ class Objective:
         vectorised with vmap over grad."""
         x, y = self.to_model(x, y)
         self.work.gradient_rows += examples.count(x)
-        grads = vmap(grad(self._sample_measurement if measure else self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
+        try:
+            grads = vmap(grad(self._sample_measurement if measure else self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
+        except RuntimeError as error:
+            if "data-dependent control flow" in str(error):
+                raise untraceable_model() from error
+            raise
         return self.space.flatten(grads, batch_dims=1)
 
     def hessian_product(self, x: torch.Tensor, y: torch.Tensor) -> MatMat:
@@ -135,3 +140,13 @@ class Objective:
                 "the loss is not differentiable in the model parameters (its gradient is cut or identically zero)",
                 "remove detach()/argmax/round from the forward pass and the loss",
             )
+
+
+def untraceable_model() -> ConfigError:
+    """vmap's refusal of a forward pass that branches on an example's values, told as the model's fix (Hugging Face's
+    SDPA mask is skipped when `attention_mask.all()`)."""
+    return ConfigError(
+        "model", "its forward pass branches on the values of one example's inputs (a Python `if` on a tensor or `.item()`; Hugging Face's "
+        "sdpa/flash attention does so on a 2-D attention_mask), which per-example gradients (vmap) cannot trace",
+        'load a transformers model with attn_implementation="eager", or compute the branch with tensor ops (torch.where)',
+    )
