@@ -10,7 +10,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact, c
 
 from influence_core.pipeline import publish, storage
 from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.refs import DataRef, StageRef
+from influence_core.pipeline.refs import StageRef
 from influence_core.pipeline.report import summary_markdown, table_records, validation_markdown
 from influence_core.pipeline.specs import AggregateSpec
 
@@ -22,13 +22,10 @@ TABLE_MAX_K = 10  # helpful and harmful columns each in the table artifact; a wi
 @task(name="publish", retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=is_transient)
 def publish_run(store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], aggregate: AggregateSpec) -> dict[str, Any]:
     """Write the report and summary, mark the run complete, and publish the top-k table, report and summary artifacts."""
-    summary, rows = publish.publish(store, refs, config, stages, aggregate.report_queries)
-    data = refs["prepare_data"]
-    assert isinstance(data, DataRef)
     shown = min(aggregate.top_k, TABLE_MAX_K)
-    table = publish.query_rows(store, data, config["model"], aggregate.report_queries, shown)
+    summary, table = publish.publish(store, refs, config, stages, aggregate.report_queries, shown)
     of = "" if shown == aggregate.top_k else f" (of top_k={aggregate.top_k}; all are in influence.zarr)"
-    create_table_artifact(table_records(table), key="influence-topk", description=f"The {shown} most helpful and {shown} most harmful training examples{of} for the first {len(rows)} queries")
+    create_table_artifact(table_records(table), key="influence-topk", description=f"The {shown} most helpful and {shown} most harmful training examples{of} for the first {len(table)} queries")
     create_image_artifact(report_data_url(store), key="influence-report", description=f"report.png ({summary['report']}): queries beside their most helpful and most harmful training examples")
     create_markdown_artifact(summary_markdown(summary), key="influence-summary", description="Influence run summary")
     if "validation" in summary:

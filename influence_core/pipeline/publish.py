@@ -21,6 +21,7 @@ from .run_store import RunStore
 SCHEMA_VERSION = 1
 REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
 VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "subsets", "subsets_computed", "fraction", "queries")
+REPORT_SHOWN = 3  # most helpful and most harmful examples per query in report.png
 PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
 
 
@@ -76,12 +77,11 @@ def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
         del group[name]
 
 
-def query_rows(store: RunStore, data: DataRef, model: dict[str, Any], n_queries: int, n_show: int = 3) -> list[QueryRow]:
+def query_rows(store: RunStore, arrays: dict[str, Any], decode: Decode, n_queries: int, n_show: int) -> list[QueryRow]:
     """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples, token ids
-    read as text by the run's task (`model`: the run's model section)."""
+    read as text by `decode` (the run's task's)."""
     group = storage.open_group(store.influence_url, store.options, mode="r")
-    arrays = open_data(data, store.options)
-    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, example_view(arrays["x_test"]), task_decode(model))
+    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, example_view(arrays["x_test"]), decode)
 
 
 def task_decode(model: dict[str, Any]) -> Decode:
@@ -90,17 +90,20 @@ def task_decode(model: dict[str, Any]) -> Decode:
 
 
 def publish(
-    store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], n_queries: int
+    store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], n_queries: int, n_show: int
 ) -> tuple[dict[str, Any], list[QueryRow]]:
-    """Write report.png and summary.json, then the group attributes; `status` becomes complete last."""
+    """Write report.png and summary.json, then the group attributes; `status` becomes complete last. Returns the
+    summary and the first queries' rows with `n_show` examples each, for the table (the report shows REPORT_SHOWN)."""
     data = refs["prepare_data"]
     assert isinstance(data, DataRef)
-    rows = query_rows(store, data, config["model"], n_queries)
-    arrays = open_data(data, store.options)
+    arrays, spec = open_data(data, store.options), ModelSpec.model_validate(config["model"])
+    decode = spec.make_task().decode
+    rows = query_rows(store, arrays, decode, n_queries, max(n_show, REPORT_SHOWN))
     validation = refs.get("validate")
     validated = validation.model_dump(include=set(VALIDATION_FIELDS)) if isinstance(validation, ValidationRef) else None
-    text = ModelSpec.model_validate(config["model"]).token_inputs or (isinstance(arrays["x_test"], dict) and "input_ids" in arrays["x_test"])  # token ids: shown as text
-    png = render_report(rows, example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, None if validated is None else lds_line(validated), text, task_decode(config["model"]))
+    text = spec.token_inputs or (isinstance(arrays["x_test"], dict) and "input_ids" in arrays["x_test"])  # token ids: shown as text
+    note = None if validated is None else lds_line(validated)
+    png = render_report([row.first(REPORT_SHOWN) for row in rows], example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, note, text, decode)
     summary = {
         "status": "complete",
         "finished_at": datetime.now(timezone.utc).isoformat(),
@@ -136,7 +139,7 @@ def publish(
             }
         )
         group.attrs["status"] = "complete"
-    return summary, rows
+    return summary, [row.first(n_show) for row in rows]
 
 
 def portable_summary(store: RunStore, summary: dict[str, Any]) -> dict[str, Any]:
@@ -175,4 +178,5 @@ def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tupl
         raise ConfigError("--top", f"{n_show} is more than the {stored} examples per query the run stores (its top_k)", f"give --top {stored} or less, or run again with aggregate.top_k={n_show}")
     data = stored_refs(store, group.attrs)["prepare_data"]
     assert isinstance(data, DataRef)
-    return dict(group.attrs), query_rows(store, data, group.attrs["config"]["model"], n_queries, stored if n_show is None else n_show)
+    decode = task_decode(group.attrs["config"]["model"])
+    return dict(group.attrs), query_rows(store, open_data(data, store.options), decode, n_queries, stored if n_show is None else n_show)

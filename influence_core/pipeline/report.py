@@ -6,7 +6,7 @@ import io
 import json
 import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,10 @@ class QueryRow:
     label: Any
     helpful: list[Neighbour]
     harmful: list[Neighbour]
+
+    def first(self, k: int) -> QueryRow:
+        """This query with its k most helpful and k most harmful examples."""
+        return replace(self, helpful=self.helpful[:k], harmful=self.harmful[:k])
 
 
 TEXT_CHARS = 48  # decoded text shown per example in the table and the report
