@@ -245,10 +245,20 @@ class InfluenceFunctionModel(ABC):
             self._split = GradientSplit(self.objective, (examples.take(x, slice(0, 8)), y[:8]))
         return self._split
 
-    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> Batch:
+    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False, in_basis: bool = True) -> Batch:
         """The captured gradients of one batch (of the query measurement with `measure`), in the coordinates the
-        method's features use."""
-        return gradient_batch(self.gradient_split(x, y), x, y, self.objective.work, measure)
+        method's features use, or (`in_basis=False`) as captured."""
+        batch = gradient_batch(self.gradient_split(x, y), x, y, self.objective.work, measure)
+        return self.to_basis(batch) if in_basis else batch
+
+    def to_basis(self, batch: Batch) -> Batch:
+        """A captured batch in the method's feature coordinates (unchanged here; K-FAC rotates it)."""
+        return batch
+
+    def rows_as_captured(self, rows: Rows, batch: Batch, n: int) -> Rows | None:
+        """Query rows mapped back from the method's basis to the captures' own, when that costs less than rotating
+        n examples like `batch` (K-FAC, EK-FAC); None: keep the basis (here there is none to leave)."""
+        return None
 
     def contracts(self) -> bool:
         """True when the features are the gradient itself (or its rotation): scores then contract query rows with

@@ -20,7 +20,7 @@ from torch import nn
 from .. import examples
 from ..batches import Batches, Data
 from ..blocks import BlockCurvature
-from ..contraction import Batch
+from ..contraction import Batch, LayerRows, Rows
 from ..errors import ConfigError
 from ..layers import Capture, FisherKind, TrackedLayer, capture, outer_gradients, select_layers
 from ..noise import ExampleNoise
@@ -248,16 +248,39 @@ class KfacInfluence(InfluenceFunctionModel):
     # -- scoring in the eigenbasis -------------------------------------------------------------------
     # Captures are rotated into each layer's eigenbasis as they are taken, so features, query factors and scores
     # all live there: factors are (Q_Sᵀ G Q_A) / (Λ + λ) (no rotation back), self-influence is Σ (Q_Sᵀ G Q_A)²/(Λ + λ).
+    # Scores alone (no self-influence) instead rotate the m query rows back once, Q_S F Q_Aᵀ, and contract the
+    # captures as taken, when that costs less than rotating every training position (`rows_as_captured`).
     # With a projection, both sides are whitened, w = (F + λI)^(-1/2) g, then projected (Gaussian, Rademacher, or
     # LoGra's Φ_out ⊗ Φ_in), so score ≈ ⟨Φ w_t, Φ w_i⟩ and self-influence stays exact.
 
-    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> Batch:
-        batch = super().gradient_batch(x, y, measure)
+    def to_basis(self, batch: Batch) -> Batch:
         inputs, grads = {}, {}
         for layer in self.layers:
             inputs[layer.name], g = self.solvers[layer.block].rotate(batch.a(layer.name), batch.g(layer.name))  # type: ignore[attr-defined]
             grads[layer.name] = [g]
         return Batch(Capture(inputs, grads), batch.rest, batch.n, batch.dtype, batch.device)
+
+    def rows_as_captured(self, rows: Rows, batch: Batch, n: int) -> Rows | None:
+        """⟨F, Q_Sᵀ G Q_A⟩ = ⟨Q_S F Q_Aᵀ, G⟩: each layer's m rows rotated back once (rank-r rows: Q_S L and R Q_Aᵀ),
+        when that is fewer flops than rotating the n examples' positions (T·(out² + in²) each)."""
+        back = rotate = 0
+        for layer in self.layers:
+            part, positions = rows.layers[layer.name], batch.a(layer.name).shape[1]
+            out, inp = layer.out_dim, layer.in_dim
+            back += part.count * (out * inp * (out + inp) if part.rank is None else part.rank * (out * out + inp * inp))
+            rotate += n * positions * (out * out + inp * inp)
+        if back >= rotate:
+            return None
+        return Rows({layer.name: self._row_back(layer, rows.layers[layer.name]) for layer in self.layers}, rows.rest, rows.count)
+
+    def _row_back(self, layer: TrackedLayer, part: LayerRows) -> LayerRows:
+        """One layer's rows from its eigenbasis to its captures' basis."""
+        solver = self.solvers[layer.block]
+        q_a, q_s = solver.q_a, solver.q_s  # type: ignore[attr-defined]
+        if part.dense is not None:
+            return LayerRows(dense=q_s.to(part.dense.dtype) @ part.dense @ q_a.T.to(part.dense.dtype))
+        assert part.left is not None and part.right is not None
+        return LayerRows(left=q_s.to(part.left.dtype) @ part.left, right=part.right @ q_a.T.to(part.right.dtype))
 
     def batch_features(self, batch: Batch) -> torch.Tensor:
         if self.projector is None:

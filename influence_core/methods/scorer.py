@@ -30,7 +30,11 @@ class ScoredModel(Protocol):
 
     def _require_fitted(self) -> None: ...
 
-    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor) -> Batch: ...
+    def gradient_batch(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False, in_basis: bool = True) -> Batch: ...
+
+    def to_basis(self, batch: Batch) -> Batch: ...
+
+    def rows_as_captured(self, rows: Rows, batch: Batch, n: int) -> Rows | None: ...
 
     def contracts(self) -> bool: ...
 
@@ -53,15 +57,30 @@ class Scorer:
         self.factors = factors if isinstance(factors, torch.Tensor) else None
         self._rows: Rows | None = factors if isinstance(factors, Rows) else None
         self._sketch_rows: Rows | None = None
+        # scores alone, from a method that rotates its captures: the query rows may go back to the captures' basis
+        # once instead; decided at the first batch (None until then), when the rows and the positions are known
+        self.as_captured: bool | None = None if plan is None and self.scoring and im.contracts() else False
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         scores, values = [], []
         for lo in range(0, examples.count(x), self.im.batch_size):
-            batch = self.im.gradient_batch(examples.take(x, slice(lo, lo + self.im.batch_size)), y[lo : lo + self.im.batch_size])
+            rows = slice(lo, lo + self.im.batch_size)
+            batch = self.im.gradient_batch(examples.take(x, rows), y[rows], in_basis=self.as_captured is False)
+            if self.as_captured is None:
+                self._choose_basis(batch, examples.count(x))
+                if not self.as_captured:
+                    batch = self.im.to_basis(batch)
             s, v = self.batch(batch)
             scores.append(s)
             values.append(v)
         return (torch.cat(scores, dim=1) if self.scoring else None), (None if self.plan is None else torch.cat(values))
+
+    def _choose_basis(self, batch: Batch, n: int) -> None:
+        """Score in the captures' basis when the method maps the rows there for less than rotating these n examples."""
+        mapped = self.im.rows_as_captured(self.rows(), batch, n)
+        self.as_captured = mapped is not None
+        if mapped is not None:
+            self._rows = mapped
 
     def batch(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Scores and self-influences of one captured batch."""
