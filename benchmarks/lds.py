@@ -61,17 +61,19 @@ DAMPING_GRID = (1e-4, 1e-3, 1e-2, 1e-1)
 ARNOLDI_RANKS = (10, 50, 200)
 # The damping grid's methods: those whose fit is one pass or a few (Arnoldi's Lanczos is one pass per Krylov vector).
 DAMPED = ("direct", "kfac", "ekfac", "nystroem (r=50)", "datainf (layer-wise)")
+# TRAK's ensemble: scores averaged over MEMBERS models trained from seeds 0..MEMBERS-1 (datamodels.train).
+MEMBERS, ENSEMBLED = 4, ("direct", "kfac", "ekfac")
 GN = {"second_order_mode": "gauss_newton"}
 Factory = Callable[[torch.nn.Module, float], InfluenceFunctionModel]
 
 
 def ours(w: Workload) -> dict[str, Factory]:
-    """Every method of the library, with the options `make quality` uses (LiSSA scaled above the top eigenvalue)."""
-    top = top_eigenvalue(w.model, w.x_train, w.y_train)
+    """Every method of the library, with the options `make quality` uses (LiSSA scaled above the top eigenvalue,
+    found when LiSSA is built)."""
     return {
         "direct": lambda m, lam: DirectInfluence(m, "cross_entropy", lam, **GN),
         "cg": lambda m, lam: CgInfluence(m, "cross_entropy", lam, rtol=1e-6, **GN),
-        "lissa (J=1000, B=100)": lambda m, lam: LissaInfluence(m, "cross_entropy", lam, depth=1000, lissa_batch_size=100, scale=1.2 * (top + lam), **GN),
+        "lissa (J=1000, B=100)": lambda m, lam: LissaInfluence(m, "cross_entropy", lam, depth=1000, lissa_batch_size=100, scale=1.2 * (top_eigenvalue(w.model, w.x_train, w.y_train) + lam), **GN),
         "arnoldi (r=50)": lambda m, lam: ArnoldiInfluence(m, "cross_entropy", lam, rank=50, krylov_dim=100, **GN),
         "arnoldi (r=50, complement)": lambda m, lam: ArnoldiInfluence(m, "cross_entropy", lam, rank=50, krylov_dim=100, complement=True, **GN),
         "nystroem (r=50)": lambda m, lam: NystroemSketchInfluence(m, "cross_entropy", lam, rank=50, **GN),
@@ -145,10 +147,27 @@ def arnoldi_ranks(w: Workload, lam: float, masks: np.ndarray, measured: np.ndarr
     return out
 
 
-def evaluate(problem: str, root: Path, pythons: dict[str, str], client: Any, futures: list[Any]) -> dict[str, Any]:
-    """Every row of one problem (its workload directory `root`): all methods at λ, the peers, the damping grid, the
-    Arnoldi ranks."""
+def ensemble_rows(problem: str, members: list[Path], masks: np.ndarray, measured: np.ndarray) -> list[dict[str, Any]]:
+    """Per method in ENSEMBLED: the LDS of the mean of its scores over the members' models, and the gain over member
+    0 alone (mean ± standard error of the per-query differences). The measured losses are member 0's subsets'."""
+    loaded = [load_workload(root, torch.float64) for root in members]
+    out = []
+    for name in ENSEMBLED:
+        runs = [run_ours(ours(w)[name], w, LAMBDA) for w in loaded]
+        mean = np.mean([scores for scores, _ in runs], axis=0)
+        single, ensemble = (linear_datamodeling_score(s, masks, measured) for s in (runs[0][0], mean))
+        gain = ensemble.per_query - single.per_query
+        gain = gain[np.isfinite(gain)]
+        out.append({**row(problem, "ours", f"{name}, ensemble of {len(members)}", LAMBDA, mean, sum(t for _, t in runs), masks, measured),
+                    "single": single.mean, "gain": float(gain.mean()), "gain_stderr": float(gain.std(ddof=1) / np.sqrt(len(gain)))})
+    return out
+
+
+def evaluate(problem: str, members: list[Path], pythons: dict[str, str], client: Any, futures: list[Any]) -> dict[str, Any]:
+    """Every row of one problem (its members' workload directories, member 0's first): all methods at λ, the peers,
+    the damping grid, the Arnoldi ranks, the ensembles."""
     masks, measured = dm.subset_masks(), dm.measured_losses(client, futures)
+    root = members[0]
     w = load_workload(root, torch.float64)
     factories = ours(w)
     rows = [row(problem, "ours", name, LAMBDA, *run_ours(f, w, LAMBDA), masks, measured) for name, f in factories.items()]
@@ -158,7 +177,7 @@ def evaluate(problem: str, root: Path, pythons: dict[str, str], client: Any, fut
         rows.append(row(problem, side, method, LAMBDA, scores, seconds, masks, measured, "" if scores is not None else execute.outcome(result)))
     damping = [row(problem, "ours", name, lam, *run_ours(factories[name], w, lam), masks, measured) for lam in DAMPING_GRID if lam != LAMBDA for name in DAMPED]
     return {"problem": problem, "n_params": w.n_params, "query_accuracy": w.spec["query_accuracy"], "rows": rows + damping,
-            "arnoldi_ranks": arnoldi_ranks(w, LAMBDA, masks, measured)}
+            "arnoldi_ranks": arnoldi_ranks(w, LAMBDA, masks, measured), "ensembles": ensemble_rows(problem, members, masks, measured)}
 
 
 def find(results: list[dict[str, Any]], problem: str, side: str, method: str, lam: float = LAMBDA) -> dict[str, Any] | None:
@@ -222,6 +241,15 @@ def arnoldi_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def ensemble_table(results: list[dict[str, Any]]) -> list[str]:
+    """Per problem and method: one model's LDS, the ensemble's, and the gain with its standard error."""
+    lines = ["| problem | method | 1 model | ensemble | gain (± s.e. over queries) | s (all members) |", "|---|---|---|---|---|---|"]
+    for p in results:
+        for e in p.get("ensembles", []):
+            lines.append(f"| {p['problem']} | {e['method']} | {e['single']:.3f} | {cell(e)} | {e['gain']:+.3f} ± {e['gain_stderr']:.3f} | {e['seconds']:.2f} |")
+    return lines
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     """LDS (± standard error) against seconds, one panel per problem, every side's methods at λ."""
     import matplotlib
@@ -260,6 +288,9 @@ def section(data: dict[str, Any]) -> str:
         "### Targets (issue 23)", "", *targets(results), "",
         "### Damping: LDS across λ (ours; best per row in bold)", "", *damping_table(results), "",
         "### Arnoldi: what the top-r eigenbasis keeps, alone and with the complement (exact eigendecomposition)", "", *arnoldi_table(results), "",
+        f"### Ensembles (TRAK): scores averaged over {MEMBERS} models trained from seeds 0..{MEMBERS - 1}", "",
+        "The retrained subset models are member 0's (seed 0), so the ground truth is one seed's; a convex problem's "
+        "members reach the same optimum and gain nothing.", "", *ensemble_table(results), "",
     ])
 
 
@@ -294,10 +325,10 @@ def main() -> None:
             # all training is submitted first (full models, then subsets); the driver scores a problem while the
             # workers train the next
             names = args.problem or list(dm.PROBLEMS)
-            prepared = {name: client.submit(dm.prepare, dm.PROBLEMS[name], pure=False) for name in names}
+            prepared = {name: [client.submit(dm.prepare, dm.PROBLEMS[name], m, pure=False) for m in range(MEMBERS)] for name in names}
             futures = {name: dm.retrain(client, dm.PROBLEMS[name]) for name in names}
             for name in names:  # lds.json is updated problem by problem, so a failure keeps what was measured
-                save({**evaluate(name, prepared[name].result(), pythons, client, futures[name]), "commit": measured_commit()})
+                save({**evaluate(name, [f.result() for f in prepared[name]], pythons, client, futures[name]), "commit": measured_commit()})
     data = json.loads((RESULTS / "lds.json").read_text())
     write_section(section(data))
     plot(data["problems"], RESULTS / "lds.png")
