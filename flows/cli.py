@@ -127,7 +127,7 @@ def execute(params: RunParameters) -> None:
     _, rows = read_run(params.store(), params.aggregate.report_queries)
     print_table(rows, f"Top training examples for the first {len(rows)} queries (score > 0: helpful)")
     for name, stage in summary["stages"].items():
-        console.print(f"  {name:<22} {stage['outcome']:<15} {stage['seconds']:8.2f} s")
+        console.print(f"  {name:<24} {stage['outcome']:<15} {stage['seconds']:8.2f} s")
     if "validation" in summary:
         from influence_core.pipeline.report import lds_line
 

@@ -9,13 +9,14 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
+from influence_core.pipeline.refs import DataRef
 from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data, validate_run
 from tasks.guards import begin_output, check_data, check_run, run_session
 from tasks.publish import publish_run
 from tasks.runner import StageRunner
-from tasks.stages import AggregationInput, PreconditionerInput, PrepareInput, QueryFactorsInput, ScoringInput, TrainingInput, ValidationInput
+from tasks.stages import AggregationInput, Member, PreconditionerInput, PrepareInput, QueryFactorsInput, ScoringInput, TrainingInput, ValidationInput
 
 from . import interrupts, refusals
 from .parameters import RunParameters
@@ -65,16 +66,24 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     run = StageRunner(store, checkpoint=interrupts.raise_if_interrupted)
     data = run(prepare_data, PrepareInput(params.dataset, store))
     check_data(data, params.aggregate, params.candidates, params.method, params.model)
-    compute, threads = params.compute, params.compute.torch_threads
-    model = run(fit_model, TrainingInput(params.model, params.training, data, store, threads, compute.torch_device))
-    preconditioner = run(fit_preconditioner, PreconditionerInput(params.method, model, data, store, compute))
-    factors = run(compute_test_factors, QueryFactorsInput(params.method, model, data, preconditioner, store, threads, compute))
+    first, *others = [_member(run, params, data, store, index) for index in range(params.training.ensemble)]
     short = begin_output(store, fingerprint, params.overwrite, data, params.aggregate)
     if short:
         get_run_logger().warning(short)
-    scores = run(compute_influences, ScoringInput(compute, params.method, params.aggregate, model, data, preconditioner, factors, store, params.candidates))
+    inputs = ScoringInput(params.compute, params.method, params.aggregate, first.model, data, first.preconditioner, first.factors, store, params.candidates, tuple(others))
+    scores = run(compute_influences, inputs)
     run(aggregate, AggregationInput(params.aggregate, scores, store))
     if params.validation.subsets:
-        run(validate_run, ValidationInput(params.validation, params.model, params.training, data, model, scores, store, compute))
+        run(validate_run, ValidationInput(params.validation, params.model, params.training, data, first.model, scores, store, params.compute))
     interrupts.raise_if_interrupted()
     return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate)
+
+
+def _member(run: StageRunner, params: RunParameters, data: DataRef, store: RunStore, index: int) -> Member:
+    """Ensemble member `index` (the model itself when there is one): trained with seed + index, its curvature and query
+    factors, each its own cached stage."""
+    compute, threads = params.compute, params.compute.torch_threads
+    model = run(fit_model, TrainingInput(params.model, params.training.member(index), data, store, threads, compute.torch_device), index)
+    preconditioner = run(fit_preconditioner, PreconditionerInput(params.method, model, data, store, compute), index)
+    factors = run(compute_test_factors, QueryFactorsInput(params.method, model, data, preconditioner, store, threads, compute), index)
+    return Member(model, preconditioner, factors)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from influence_core.pipeline import storage
 from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.training import check_ensemble
 from influence_core.pipeline.validation import check_validate
 from influence_core.errors import ConfigError
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
@@ -48,6 +49,11 @@ class RunParameters(BaseModel):
     @model_validator(mode="after")
     def _validation_can_retrain(self) -> "RunParameters":
         check_validate(self.validation, self.model)
+        return self
+
+    @model_validator(mode="after")
+    def _ensemble_can_train(self) -> "RunParameters":
+        check_ensemble(self.training, self.model, self.candidates)
         return self
 
     @model_validator(mode="after")
@@ -93,7 +99,7 @@ class RunParameters(BaseModel):
         where = {"output_url": True, "overwrite": True, "compute": set(PLACEMENT["compute"]), "storage": set(PLACEMENT["storage"])}
         if not self.validation.subsets:
             where["validation"] = True
-        dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config(), "model": self.model.key_config()}  # type: ignore[arg-type]
+        dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config(), "model": self.model.key_config(), "training": self.training.key_config()}  # type: ignore[arg-type]
         payload = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 

@@ -25,8 +25,9 @@ class StageRunner:
         self.refs: dict[str, StageRef] = {}
         self.outcomes: dict[str, dict[str, Any]] = {}
 
-    def __call__(self, stage: Task[..., R], stage_input: StageInput[R]) -> R:
-        """Run `stage` on its input. The input's call reads the manifest here, once; the task's body shares the answer."""
+    def __call__(self, stage: Task[..., R], stage_input: StageInput[R], member: int = 0) -> R:
+        """Run `stage` on its input. The input's call reads the manifest here, once; the task's body shares the answer.
+        An ensemble's member m > 0 is recorded as `stage[m]` (member 0 under the stage's own name)."""
         self.checkpoint()
         present = stage_input.call.existing() is not None
         wall = time.perf_counter()
@@ -37,7 +38,8 @@ class StageRunner:
         else:
             mine = ref.producer == producer() and ref.created_at >= self.started  # not a concurrent run's work
             outcome = "computed" if mine else "found complete"
-        self.refs[stage.name] = ref
+        name = f"{stage.name}[{member}]" if member else stage.name
+        self.refs[name] = ref
         work = ref.model_dump(include={"work", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters"})  # what the stage did
-        self.outcomes[stage.name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
+        self.outcomes[name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
         return ref

@@ -11,7 +11,7 @@ from influence_core.pipeline.preconditioner import PreconditionerInput
 from influence_core.pipeline.prepare import PrepareInput
 from influence_core.pipeline.query_factors import QueryFactorsInput
 from influence_core.pipeline.refs import ScoresRef, StageRef, ValidationRef
-from influence_core.pipeline.score_input import ScoringInput
+from influence_core.pipeline.score_input import Member, ScoringInput
 from influence_core.pipeline.specs import METHOD_CLASSES
 from influence_core.pipeline.training import TrainingInput
 from influence_core.pipeline.validation import ValidationInput
@@ -20,7 +20,7 @@ from .policy import stage_task
 from .progress import ChunkProgress
 
 __all__ = [
-    "AggregationInput", "PreconditionerInput", "PrepareInput", "QueryFactorsInput", "ScoringInput", "TrainingInput", "ValidationInput",
+    "AggregationInput", "Member", "PreconditionerInput", "PrepareInput", "QueryFactorsInput", "ScoringInput", "TrainingInput", "ValidationInput",
     "aggregate", "compute_influences", "compute_test_factors", "fit_model", "fit_preconditioner", "prepare_data", "validate_run",
 ]
 

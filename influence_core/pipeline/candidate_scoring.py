@@ -55,7 +55,7 @@ class CandidateJob(ChunkJob):
         rows = np.unique(candidates[(candidates >= lo) & (candidates < hi)])
         x, y = examples.read(worker.x, slice(lo, hi)), examples.read(worker.y, slice(lo, hi))
         picked = torch.from_numpy(rows - lo)
-        scores, _ = worker.scorer(examples.take(x, picked), y[picked])
+        scores, _ = worker(examples.take(x, picked), y[picked])
         assert scores is not None
         q, j, c = candidate_entries(rows, candidates)
         entries = q * candidates.shape[1] + j

@@ -15,15 +15,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from distributed import Client, as_completed
 
 from . import storage
-from ..methods import InfluenceFunctionModel
+from ..batches import Batches
+from ..examples import Inputs
 from ..methods.scorer import Scorer
 from ..self_influence import SelfInfluencePlan
 from ..work import Work
-from .loading import load_influence_model, open_data, read_factors
-from .score_input import ScoringInput
+from .loading import load_influence_model, open_data, read_factors, train_batches
+from .score_input import Member, ScoringInput
 from .threads import TASK_THREADS, torch_threads
 
 Progress = Callable[[int, int], None]
@@ -31,17 +33,50 @@ KEPT_WORKERS = 2  # jobs whose loaded state a worker process keeps (least recent
 
 
 class ChunkWorker:
-    """What a worker process keeps between chunk tasks of one job: the fitted influence model, the scorer of the
-    query factors (with the job's self-influence plan), the training arrays, and what the job holds besides."""
+    """What a worker process keeps between chunk tasks of one job: each ensemble member's scorer (its fitted influence
+    model, query factors and self-influence plan), the training arrays, and what the job holds besides."""
 
     def __init__(self, job: ChunkJob) -> None:
-        stage, options = job.stage, job.options
-        self.im: InfluenceFunctionModel = load_influence_model(stage.method, stage.model, stage.data, stage.preconditioner, options, stage.compute.torch_device)
-        arrays = open_data(stage.data, options)
+        stage = job.stage
+        arrays = open_data(stage.data, job.options)
         self.x, self.y = arrays["x_train"], arrays["y_train"]
-        plan = job.self_influence_plan()
-        self.scorer = Scorer(self.im, read_factors(self.im, stage.factors.url, options, self.x, self.y), plan)
-        self.held = job.hold(plan)
+        train = train_batches(stage.data, job.options, stage.method.batch_size)  # read once, shared by the members
+        plans = [job.self_influence_plan(index) for index in range(len(stage.members))]
+        self.scorers = [self._scorer(job, member, plan, train) for member, plan in zip(stage.members, plans)]
+        self.held = job.hold(plans[0])
+
+    def _scorer(self, job: ChunkJob, member: Member, plan: SelfInfluencePlan | None, train: Batches) -> Scorer:
+        """One member's scorer: its influence model with its curvature, its query factors and its self-influence plan."""
+        stage = job.stage
+        im = load_influence_model(stage.method, member.model, stage.data, member.preconditioner, job.options, stage.compute.torch_device, train)
+        return Scorer(im, read_factors(im, member.factors.url, job.options, self.x, self.y), plan)
+
+    def __call__(self, x: Inputs, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Scores and self-influences of the rows (x, y): the members' mean, summed member by member so that a chunk's
+        scores are held twice at most (a single model's are its own, unchanged)."""
+        scores, values = self.scorers[0](x, y)
+        for scorer in self.scorers[1:]:
+            more, extra = scorer(x, y)
+            scores, values = _added(scores, more), _added(values, extra)
+        n = len(self.scorers)
+        return _divided(scores, n), _divided(values, n)
+
+    def work(self) -> Work:
+        """The work every member's influence model has counted so far."""
+        total = Work()
+        for scorer in self.scorers:
+            total += scorer.im.work
+        return total
+
+
+def _added(total: torch.Tensor | None, more: torch.Tensor | None) -> torch.Tensor | None:
+    """A member's output added to the others' sum (None: an output that is not computed)."""
+    return None if total is None or more is None else total + more
+
+
+def _divided(total: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The members' sum as their mean; a single model's output as it is."""
+    return total if total is None or n == 1 else total / n
 
 
 @dataclass(frozen=True)
@@ -75,8 +110,8 @@ class ChunkJob(ABC):
         done = self.marked() & self.written()
         return [i for i in needed if i not in done]
 
-    def self_influence_plan(self) -> SelfInfluencePlan | None:
-        """The self-influence plan the scorer applies (None: no self-influence)."""
+    def self_influence_plan(self, member: int) -> SelfInfluencePlan | None:
+        """The self-influence plan member `member`'s scorer applies (None: no self-influence)."""
         return None
 
     @abstractmethod
@@ -114,10 +149,10 @@ def chunk_task(job: ChunkJob, index: int) -> dict[str, float]:
     this did (gradients captured, flops, and any solves of an exact self-influence)."""
     with torch_threads(TASK_THREADS):  # the same arithmetic on every cluster kind, sequential included
         worker = _worker(job)
-        before = worker.im.work.copy()
+        before = worker.work()
         job.score(worker, index)
         storage.write_bytes(job.path("done", str(index)), b"", job.options)
-        return (worker.im.work - before).as_dict()
+        return (worker.work() - before).as_dict()
 
 
 def execute(job: ChunkJob, chunks: list[int], total: int, client: Client | None, on_progress: Progress | None = None) -> Work:

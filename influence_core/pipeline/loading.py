@@ -65,12 +65,13 @@ def save_tensors(url: str, tensors: dict[str, torch.Tensor], options: dict[str, 
 
 
 def load_influence_model(
-    method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], device: str = "cpu"
+    method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], device: str = "cpu", train: Batches | None = None
 ) -> InfluenceFunctionModel:
-    """The influence model on `device` with its stored curvature state, bound to the stored training data."""
+    """The influence model on `device` with its stored curvature state, bound to the stored training data (`train`:
+    those batches already open, shared by an ensemble's members)."""
     im = method.build(load_model(model, options, device), ModelSpec.model_validate(model.spec).make_task())
     state = load_state(preconditioner.url, options, field="preconditioner", device=device)
-    return im.load_state_dict(state, train=train_batches(data, options, method.batch_size))
+    return im.load_state_dict(state, train=train if train is not None else train_batches(data, options, method.batch_size))
 
 
 def read_factors(im: InfluenceFunctionModel, url: str, options: dict[str, Any], x_train: Any, y_train: zarr.Array) -> torch.Tensor | Rows:

@@ -157,7 +157,7 @@ def portable_config(config: dict[str, Any]) -> dict[str, Any]:
 def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
     """The stage refs a published run records, resolved against where the output is now."""
     types = {"prepare_data": DataRef, "fit_model": ModelRef}
-    return {name: types.get(name, StageRef).model_validate(ref).moved(store.resolve) for name, ref in attrs["refs"].items()}
+    return {name: types.get(name.split("[")[0], StageRef).model_validate(ref).moved(store.resolve) for name, ref in attrs["refs"].items()}  # fit_model[1]: a ModelRef
 
 
 def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tuple[dict[str, Any], list[QueryRow]]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .layout import ScoreLayout, score_layout
-from .refs import DataRef, ModelRef, ScoresRef, StageRef
+from .refs import DataRef, ModelRef, Ref, ScoresRef, StageRef
 from .run_store import RunStore
 from .specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec
 from .stage import StageCall, StageInput
@@ -15,6 +15,21 @@ from .stage import StageCall, StageInput
 def output_bytes(data: DataRef, aggregate: AggregateSpec) -> int:
     """The float32 scores and self-influences, as stored uncompressed: what compute_influences needs on disk."""
     return 4 * data.n_test * data.n_train + (0 if aggregate.self_influence == "off" else 4 * data.n_train)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One model of an ensemble: its trained model, its fitted curvature and its query factors."""
+
+    model: ModelRef
+    preconditioner: StageRef
+    factors: StageRef
+
+    def inputs(self, index: int) -> dict[str, Ref]:
+        """Its refs as stage-key inputs; member 0's under the names a single model's have always had."""
+        suffix = f"[{index}]" if index else ""
+        # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
+        return {f"model{suffix}": self.model, f"curvature{suffix}": self.preconditioner, f"factors{suffix}": self.factors}
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,12 @@ class ScoringInput(StageInput[ScoresRef]):
     factors: StageRef
     store: RunStore
     candidates: CandidatesSpec | None = None
+    others: tuple[Member, ...] = ()  # the ensemble's members 1.. (member 0 is model, preconditioner and factors)
+
+    @property
+    def members(self) -> tuple[Member, ...]:
+        """Every member whose scores are averaged, member 0 first (a single model: one)."""
+        return (Member(self.model, self.preconditioner, self.factors), *self.others)
 
     @property
     def prefiltered(self) -> bool:
@@ -52,6 +73,7 @@ class ScoringInput(StageInput[ScoresRef]):
         if self.prefiltered:  # FastIF: candidate scores, no self-influence
             assert self.candidates is not None
             config.update(self_influence={"mode": "off"}, candidates=self.candidates.model_dump(mode="json"))
-        # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
-        inputs = {"model": self.model, "data": self.data, "curvature": self.preconditioner, "factors": self.factors}
+        inputs: dict[str, Ref] = {"data": self.data}
+        for index, member in enumerate(self.members):
+            inputs.update(member.inputs(index))
         return StageCall("compute_influences", ScoresRef, config, inputs, self.store, self.compute.torch_threads, output_bytes=output_bytes(self.data, self.aggregate))

@@ -37,13 +37,12 @@ from .run_store import RunStore
 class ScoreJob(ChunkJob):
     """A chunk job that writes a shard of the full scores (and its self-influences)."""
 
-    @property
-    def plan_url(self) -> str:
-        """The self-influence plan, computed once by the driver."""
-        return self.path("self_influence_plan.pt")
+    def plan_url(self, member: int) -> str:
+        """Member `member`'s self-influence plan, computed once by the driver (member 0's under the single model's name)."""
+        return self.path(f"self_influence_plan_{member}.pt" if member else "self_influence_plan.pt")
 
-    def self_influence_plan(self) -> SelfInfluencePlan | None:
-        return plan_from_state(load_state(self.plan_url, self.options, field="self_influence_plan", device=self.stage.compute.torch_device))
+    def self_influence_plan(self, member: int) -> SelfInfluencePlan | None:
+        return plan_from_state(load_state(self.plan_url(member), self.options, field="self_influence_plan", device=self.stage.compute.torch_device))
 
     def hold(self, plan: SelfInfluencePlan | None) -> tuple[zarr.Array, zarr.Array | None]:
         """The open scores array, and the self-influence one when the plan computes them."""
@@ -53,7 +52,7 @@ class ScoreJob(ChunkJob):
     def score(self, worker: ChunkWorker, index: int) -> None:
         lo, hi = self.stage.layout.bounds(index)
         x, y = examples.read(worker.x, slice(lo, hi)), examples.read(worker.y, slice(lo, hi))
-        scores, self_inf = worker.scorer(x, y)
+        scores, self_inf = worker(x, y)
         assert scores is not None
         scores_out, self_out = worker.held
         scores_out[:, lo:hi] = scores.detach().cpu().numpy().astype(np.float32)
@@ -88,18 +87,18 @@ def space_warning(store: RunStore, data: DataRef, aggregate: AggregateSpec) -> s
     return f"output_url: {store.output_url} has {storage.megabytes(free)} free, but compute_influences writes {storage.megabytes(needed)} of scores: the run will fail when the disk fills. Fix: free space there or choose another output_url"
 
 
-def _self_influence_plan(job: ScoreJob, work: Work) -> SelfInfluencePlan:
-    """The plan of this job: read back when an interrupted run already stored it, else computed here (a low-rank
+def _self_influence_plan(job: ScoreJob, member: int, work: Work) -> SelfInfluencePlan:
+    """Member `member`'s plan: read back when an interrupted run already stored it, else computed here (a low-rank
     sketch costs curvature products, added to `work`) and stored for the workers."""
     try:
-        return job.self_influence_plan()
+        return job.self_influence_plan(member)
     except ConfigError:  # not stored yet, or cut short by a crash
         pass
-    stage = job.stage
-    im = load_influence_model(stage.method, stage.model, stage.data, stage.preconditioner, job.options, stage.compute.torch_device)
+    stage, refs = job.stage, job.stage.members[member]
+    im = load_influence_model(stage.method, refs.model, stage.data, refs.preconditioner, job.options, stage.compute.torch_device)
     made = im.self_influence_plan(stage.aggregate.self_influence, stage.aggregate.self_influence_rank, n_queries=stage.layout.n_test)
     work += im.work
-    save_tensors(job.plan_url, plan_state(made), job.options)
+    save_tensors(job.plan_url(member), plan_state(made), job.options)
     return made
 
 
@@ -122,7 +121,8 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
 
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
     work = Work()
-    self_plan = _self_influence_plan(job, work)
+    plans = [_self_influence_plan(job, member, work) for member in range(len(job.stage.members))]  # each stored for the workers
+    self_plan = plans[0]  # the members share method and settings, so their plans share a form: the summary describes member 0's
     group = _prepare_arrays(job, self_plan is not None)
     layout = job.stage.layout
     chunks = job.pending(list(range(layout.n_tasks)))

@@ -373,6 +373,20 @@ class TrainingSpec(Spec):
     learning_rate: float = Field(1e-2, gt=0, title="Learning rate", description="Adam step size.")
     weight_decay: float = Field(1e-3, ge=0, title="Weight decay", description="L2 penalty added to the training loss.")
     seed: int = Field(0, title="Seed", description="Seed of initialisation and batch order.")
+    ensemble: int = Field(
+        1, ge=1, le=64, title="Ensemble members",
+        description="Train this many models (member m with seed + m) and average their scores and self-influences, as TRAK's ensemble does. "
+        "Each member's model, curvature and query factors are cached stages of their own; training, curvature and scoring cost this many times a single model's.",
+    )
+
+    def key_config(self) -> dict[str, Any]:
+        """The settings as stage keys and the run fingerprint hash them: `ensemble` only above 1, so the runs stored
+        before it existed keep their keys."""
+        return self.model_dump(mode="json", exclude=None if self.ensemble > 1 else {"ensemble"})
+
+    def member(self, index: int) -> "TrainingSpec":
+        """How ensemble member `index` is trained: alone, with seed + index (member 0 is the single model)."""
+        return self.model_copy(update={"seed": self.seed + index, "ensemble": 1})
 
 
 # -- curvature methods ---------------------------------------------------------------------------------

@@ -9,13 +9,29 @@ import torch
 
 from . import storage
 from .. import examples
+from ..errors import ConfigError
 from ..objective import Objective
 from .models import build_model, checkpoint_stamp, check_model_fits, load_into, load_state, state_bytes, train
 from .refs import DataRef, ModelRef
-from .specs import ModelSpec, TrainingSpec
+from .specs import CandidatesSpec, ModelSpec, TrainingSpec
 from .loading import open_data
 from .stage import StageCall, StageInput, StageLocation
 from .run_store import RunStore
+
+
+def check_ensemble(training: TrainingSpec, model: ModelSpec, candidates: CandidatesSpec) -> None:
+    """An ensemble trains its members, so it needs the recipe (no checkpoint), and one model's features (no FastIF prefilter)."""
+    n = training.ensemble
+    if n > 1 and model.checkpoint:
+        raise ConfigError(
+            "training.ensemble", f"ensemble={n} trains {n} models with seeds training.seed + m, but model.checkpoint ({model.checkpoint}) loads a single trained model",
+            "set training.ensemble to 1 with a checkpoint, or leave model.checkpoint empty so that the pipeline trains the members",
+        )
+    if n > 1 and candidates.knn_k is not None:
+        raise ConfigError(
+            "training.ensemble", f"ensemble={n} is not supported with the FastIF prefilter (candidates.knn_k={candidates.knn_k}), whose candidates come from one model's features",
+            "set training.ensemble to 1, or candidates.knn_k to null to score every training example with the ensemble",
+        )
 
 
 @dataclass(frozen=True)
@@ -35,7 +51,7 @@ class TrainingInput(StageInput[ModelRef]):
         if self.spec.checkpoint:
             config["checkpoint_stat"] = checkpoint_stamp(self.spec.checkpoint, self.store.options)
         else:
-            config["training"] = self.training.model_dump(mode="json")
+            config["training"] = self.training.key_config()
         return StageCall("fit_model", ModelRef, config, {"data": self.data}, self.store, self.threads)
 
 

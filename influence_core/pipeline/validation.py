@@ -151,7 +151,7 @@ class ValidationInput(StageInput[ValidationRef]):
     compute: ComputeSpec
 
     def plan(self) -> StageCall[ValidationRef]:
-        config = {"validate": self.spec.model_dump(mode="json"), "model": self.model_spec.model_dump(mode="json"), "training": self.training.model_dump(mode="json")}
+        config = {"validate": self.spec.model_dump(mode="json"), "model": self.model_spec.model_dump(mode="json"), "training": self.training.key_config()}
         return StageCall("validate", ValidationRef, config, {"data": self.data, "model": self.model, "scores": self.scores}, self.store, self.compute.torch_threads)
 
 

@@ -193,6 +193,9 @@ PARAMETER_CASES = [
     invalid("dotted path malformed", set_in("dataset", {"source": "torch", "path": "not a module path"}), "dataset.path", "package.module:factory"),
     invalid("scheduler address missing", set_in("compute", {"cluster": "address"}), "compute.address", "tcp://"),
     invalid("negative λ", set_in("method.regularization", -1.0), "method.regularization", "Fix: set method.regularization to 0.0 or more"),  # no internal type names
+    invalid("ensemble of 0", set_in("training.ensemble", 0), "training.ensemble", "1 or more"),
+    invalid("ensemble with a checkpoint", both(set_in("training.ensemble", 2), set_in("model.checkpoint", "/no/such/model.pt")), "training.ensemble", "model.checkpoint", "set training.ensemble to 1"),
+    invalid("ensemble with the FastIF prefilter", both(set_in("training.ensemble", 2), set_in("candidates.knn_k", 8)), "training.ensemble", "candidates.knn_k=8", "candidates.knn_k to null"),
     invalid("negative λ of one layer", set_in("method.regularization", {"1": 1e-3, "3": -1.0}), "method.regularization.3", "Fix: set method.regularization.3 to 0.0 or more"),
 ]
 

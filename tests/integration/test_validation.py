@@ -39,8 +39,8 @@ def validated(tmp_path_factory):  # type: ignore[no-untyped-def]
     return run, influence_run(**run.sections())
 
 
-def test_lds_equals_an_independent_computation(validated) -> None:
-    run, summary = validated
+def independent_lds(run) -> list[float]:  # type: ignore[no-untyped-def]
+    """Per query, the LDS of the run's stored scores, from models retrained here with the run's recipe (base seed)."""
     store = run.store()
     [manifest] = Path(store.cache_url, "prepare_data").glob("*/manifest.json")
     data = DataRef.model_validate(storage.read_json(str(manifest), {})["output"]).moved(store.resolve)
@@ -58,8 +58,13 @@ def test_lds_equals_an_independent_computation(validated) -> None:
         measured.append(F.cross_entropy(logits, torch.from_numpy(arrays["y_test"][: spec.queries]).long(), reduction="none").numpy())
     scores = read_outputs(store)[1]["scores"][: spec.queries].astype(np.float64)
     predicted = -(np.stack(masks).astype(np.float64) @ scores.T)
-    expected = [spearmanr(predicted[:, q], np.stack(measured)[:, q]).statistic for q in range(spec.queries)]
+    return [spearmanr(predicted[:, q], np.stack(measured)[:, q]).statistic for q in range(spec.queries)]
 
+
+def test_lds_equals_an_independent_computation(validated) -> None:
+    run, summary = validated
+    spec = run.validation
+    expected = independent_lds(run)
     validation = summary["validation"]
     np.testing.assert_allclose(validation["lds_per_query"], expected, rtol=1e-9, atol=1e-9)
     assert validation["lds_mean"] == pytest.approx(np.mean(expected))
@@ -108,3 +113,11 @@ def test_show_prints_the_lds(validated) -> None:
     shown = CliRunner().invoke(app, ["show", run.output_url, "--queries", "1"], terminal_width=200)
     assert shown.exit_code == 0, shown.output
     assert f"LDS {summary['validation']['lds_mean']:.3f} ± {summary['validation']['lds_stderr']:.3f} over 6 retrainings on 50% subsets, 5 queries" in shown.output
+
+
+def test_an_ensemble_is_validated_on_its_mean_scores(tmp_path) -> None:
+    """With training.ensemble, the subsets are retrained with the base seed and ranked against the members' mean scores."""
+    run = params(tmp_path / "run", training={"epochs": 10, "ensemble": 2})
+    summary = influence_run(**run.sections())
+    assert "fit_model[1]" in summary["stages"] and summary["stages"]["validate"]["outcome"] == "computed"
+    np.testing.assert_allclose(summary["validation"]["lds_per_query"], independent_lds(run), rtol=1e-9, atol=1e-9)

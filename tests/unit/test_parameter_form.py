@@ -90,6 +90,22 @@ def test_dataset_keys_are_those_of_the_flat_spec():
     assert RunParameters.model_validate({"dataset": {"source": "synthetic_regression", "noise": 0.5}}).run_fingerprint() == "0edfbe72dca4d36ccaf73d7a"
 
 
+def test_the_ensemble_is_a_bounded_number_that_a_single_model_does_not_hash():
+    """training.ensemble is a form field of at least 1 (the server refuses 0); at 1 it is left out of the keys, so
+    the runs stored before it existed keep their fingerprints."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    from flows.influence_run import influence_run
+
+    field = RunParameters.model_json_schema()["$defs"]["TrainingSpec"]["properties"]["ensemble"]
+    assert field.items() >= {"type": "integer", "default": 1, "minimum": 1, "title": "Ensemble members"}.items()
+    schema = parameter_schema(influence_run).model_dump_for_openapi()
+    assert validate({"training": {"ensemble": 4}}, schema) == [] and validate({"training": {"ensemble": 0}}, schema) != []
+    assert "ensemble" not in RunParameters().training.key_config()
+    assert RunParameters.model_validate({"training": {"ensemble": 2}}).training.key_config()["ensemble"] == 2
+
+
 def test_empty_optional_settings_are_plain_inputs():
     """An optional number, string or list left empty is a plain input, not a type switch offering "None"; the
     values still validate as None, and Prefect's server-side validator accepts a null for them."""
