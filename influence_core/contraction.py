@@ -10,8 +10,15 @@ An example's gradient for a Linear or Conv2d layer is G = Σ_t g_t a_tᵀ (layer
 An `nn.Embedding` (V × d) has the gradient Σ_t e_{id_t} g_tᵀ: each example's gradient is kept as its nonzero rows,
 one per distinct token (repeats summed), so a row F scores it as Σ_v F[v]·(Σ_{t: id_t = v} g_t), the rows F[v]
 gathered, with work ∝ distinct tokens × d, never V × d; its squared norm is Σ_v ‖Σ_{t: id_t = v} g_t‖².
-Parameters outside such layers (position embeddings of arange(T), tied weights, norms, custom modules) keep vmap
-per-sample gradients.
+A weight W (V × d) tied between an `nn.Embedding` and an output `nn.Linear` (GPT-2's lm_head.weight is wte.weight)
+is one cut with two shares: G = G_emb + G_out, G_out = Σ_s δ_s h_sᵀ from the Linear's capture (its first d inputs;
+its bias is a cut of its own). Scores are linear in G, so both contractions above apply and add; the squared norm
+adds the cross term 2⟨G_emb, G_out⟩ = 2 Σ_v (Σ_{t: id_t = v} g_t)·(Σ_s δ_s[v] h_s), the δ columns gathered at each
+example's distinct tokens (work ∝ distinct tokens × T × d, never V × d). Every reader of captures here (scores,
+materialised gradients, squared norms, rank-r rows, sketches, a basis's features) goes through a cut's shares;
+K-FAC/EK-FAC and projections take their layers from `select_layers`, which leaves tied weights out.
+Parameters outside such layers (position embeddings of arange(T), norms, custom modules, a weight shared in any
+other way) keep vmap per-sample gradients.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ g = ∂ℓ/∂(layer output). Kronecker-factored curvature and Kronecker-structu
 An `nn.Embedding` is captured as its token ids a (batch, positions), integers, and g (batch, positions, width): its
 gradient is the scatter Σ_t e_{id_t} g_tᵀ (vocabulary × width), kept as its nonzero rows (contraction.py); positions
 holding `padding_idx` get g = 0, as torch gives that row no gradient. Embeddings are no Kronecker layer (K-FAC
-leaves them out, see `select_layers`).
+leaves them out, see `select_layers`). An embedding whose weight an output Linear shares (`tied_embeddings`) is
+captured with that Linear: the weight's gradient is the sum of both captures' shares (contraction.py).
 """
 
 from __future__ import annotations
