@@ -10,20 +10,27 @@ An example's gradient for a Linear or Conv2d layer is G = Σ_t g_t a_tᵀ (layer
 An `nn.Embedding` (V × d) has the gradient Σ_t e_{id_t} g_tᵀ: each example's gradient is kept as its nonzero rows,
 one per distinct token (repeats summed), so a row F scores it as Σ_v F[v]·(Σ_{t: id_t = v} g_t), the rows F[v]
 gathered, with work ∝ distinct tokens × d, never V × d; its squared norm is Σ_v ‖Σ_{t: id_t = v} g_t‖².
-Parameters outside such layers (position embeddings of arange(T), tied weights, norms, custom modules) keep vmap
-per-sample gradients.
+A weight W (V × d) tied between an `nn.Embedding` and an output `nn.Linear` (GPT-2's lm_head.weight is wte.weight)
+is one cut with two shares: G = G_emb + G_out, G_out = Σ_s δ_s h_sᵀ from the Linear's capture (its first d inputs;
+its bias is a cut of its own). Scores are linear in G, so both contractions above apply and add; the squared norm
+adds the cross term 2⟨G_emb, G_out⟩ = 2 Σ_v (Σ_{t: id_t = v} g_t)·(Σ_s δ_s[v] h_s), the δ columns gathered at each
+example's distinct tokens (work ∝ distinct tokens × T × d, never V × d). Every reader of captures here (scores,
+materialised gradients, squared norms, rank-r rows, sketches, a basis's features) goes through a cut's shares;
+K-FAC/EK-FAC and projections take their layers from `select_layers`, which leaves tied weights out.
+Parameters outside such layers (position embeddings of arange(T), norms, custom modules, a weight shared in any
+other way) keep vmap per-sample gradients.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from . import examples
-from .layers import Capture, TrackedLayer, capture, contractible, outer_gradients, per_example_layers, shared_parameters
+from .layers import Capture, TrackedLayer, capture, contractible, outer_gradients, per_example_layers, shared_parameters, tied_embeddings
 from .objective import Objective
 from .work import Work
 
@@ -35,51 +42,96 @@ RowOrder = Literal["parameters", "matrix"]  # how a layer's columns are laid out
 
 
 @dataclass(frozen=True)
-class LayerCut:
-    """A tracked layer and its columns in the flat parameter (or feature) vector."""
+class Share:
+    """A captured layer's part Σ_t g_t a_tᵀ in a cut's gradient, its inputs a narrowed to the columns `inputs`."""
 
     layer: TrackedLayer
+    inputs: slice | None = None  # None: all of them
+
+    def read(self, batch: "Batch") -> tuple[torch.Tensor, torch.Tensor]:
+        """This share's (a, g) in a captured batch."""
+        a = batch.a(self.layer.name)
+        return (a if self.inputs is None else a[..., self.inputs]), batch.g(self.layer.name)
+
+
+@dataclass(frozen=True)
+class LayerCut:
+    """Columns in the flat parameter (or feature) vector holding a gradient matrix (out, in) that is the sum of its
+    captured shares: a whole tracked layer (its own capture); or, of a weight tied between an embedding and an output
+    Linear, the weight (the embedding's share, then the Linear's on its first d inputs) and that Linear's bias."""
+
+    name: str
     cols: slice
+    shape: tuple[int, int]
+    shares: tuple[Share, ...]
+    layer: TrackedLayer | None = None  # a whole layer, which lays out its columns; None: row-major (out, in)
+
+    @staticmethod
+    def whole(layer: TrackedLayer, cols: slice) -> "LayerCut":
+        """A whole tracked layer, its gradient its own capture's."""
+        return LayerCut(layer.name, cols, (layer.out_dim, layer.in_dim), (Share(layer),), layer)
 
     def matrix(self, flat: torch.Tensor, order: RowOrder) -> torch.Tensor:
-        """Rows (m, cols) of this layer as (m, out, in) matrices."""
+        """Rows (m, cols) of this cut as (m, out, in) matrices."""
         block = flat[:, self.cols]
-        return self.layer.to_matrix(block) if order == "parameters" else block.reshape(len(flat), self.layer.out_dim, self.layer.in_dim)
+        return self.layer.to_matrix(block) if order == "parameters" and self.layer is not None else block.reshape(len(flat), *self.shape)
+
+    def to_flat(self, matrices: torch.Tensor, order: RowOrder) -> torch.Tensor:
+        """Inverse of `matrix`."""
+        return self.layer.to_flat(matrices) if order == "parameters" and self.layer is not None else matrices.reshape(len(matrices), -1)
+
+
+def tied_cuts(embedding: TrackedLayer, output: TrackedLayer, blocks: dict[str, slice], names: dict[int, str], shared: set[int]) -> list[LayerCut]:
+    """A weight (V × d) tied between an embedding and an output Linear as cuts, where attributed: the weight, whose
+    gradient is the embedding's share plus the Linear's on its first d inputs, and the Linear's bias (its share on the
+    last input, the captures' 1), itself no shared tensor."""
+    vocab, width = embedding.module.weight.shape
+    weight, bias = names[id(embedding.module.weight)], output.module.bias
+    cuts = []
+    if weight in blocks:
+        cuts.append(LayerCut(embedding.name, blocks[weight], (vocab, width), (Share(embedding), Share(output, slice(0, width)))))
+    if bias is not None and id(bias) not in shared and names.get(id(bias)) in blocks:
+        cuts.append(LayerCut(output.name, blocks[names[id(bias)]], (vocab, 1), (Share(output, slice(width, width + 1)),)))
+    return cuts
 
 
 class GradientSplit:
-    """An objective's parameters split into whole Linear/Conv2d/Conv1D/Embedding layers, contracted from captures,
-    and the rest, which keeps vmap per-sample gradients. A layer called more than once per forward pass (shared
-    layers), on an input without the batch dimension (a position embedding of arange(T)), or whose weight another
-    module also uses (tied input/output embeddings) stays in the rest, since its capture cannot hold its gradient."""
+    """An objective's parameters split into cuts contracted from captures, whole Linear/Conv2d/Conv1D/Embedding
+    layers and the weights tied between an embedding and an output Linear (and that Linear's bias), and the rest,
+    which keeps vmap per-sample gradients. A layer called more than once per forward pass (shared layers), on an input
+    without the batch dimension (a position embedding of arange(T)), or whose weight other modules also use (other
+    than one embedding and one Linear) stays in the rest, since its captures cannot hold its gradient."""
 
     def __init__(self, objective: Objective, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.objective = objective
-        blocks = objective.space.blocks()
-        shared = shared_parameters(objective.model)
+        model, blocks = objective.model, objective.space.blocks()
+        shared = shared_parameters(model)
         candidates = []
-        for name, module in objective.model.named_modules():
+        for name, module in model.named_modules():
             layer = TrackedLayer(name, module)
             if (contractible(module) and all(p in blocks for p in layer.param_names) and _contiguous([blocks[p] for p in layer.param_names])
                     and not any(id(p) in shared for p in module.parameters(recurse=False))):
                 candidates.append(layer)
-        captured = per_example_layers(objective.model, candidates, objective.to_model(*probe)[0])
-        self.cuts = [LayerCut(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if layer.name in captured]
-        covered = {p for cut in self.cuts for p in cut.layer.param_names}
-        rest = [n for n in objective.space.names if n not in covered]
+        ties = [pair for pair in tied_embeddings(model) if contractible(pair[0].module)]
+        captured = per_example_layers(model, candidates + [layer for pair in ties for layer in pair], objective.to_model(*probe)[0])
+        self.cuts = [LayerCut.whole(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if layer.name in captured]
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.cuts += [cut for embedding, output in ties if {embedding.name, output.name} <= captured for cut in tied_cuts(embedding, output, blocks, names, shared)]
+        rest = [n for n, b in blocks.items() if not any(cut.cols.start <= b.start and b.stop <= cut.cols.stop for cut in self.cuts)]
         self.rest_columns = torch.cat([torch.arange(blocks[n].start, blocks[n].stop) for n in rest]) if rest else None
         self.rest = Objective(objective.model, objective.task, rest) if rest else None
 
     @property
     def layers(self) -> list[TrackedLayer]:
-        return [cut.layer for cut in self.cuts]
+        """The layers to capture: those of every cut's shares, each once."""
+        return list({share.layer.name: share.layer for cut in self.cuts for share in cut.shares}.values())
 
     def block_norms(self, batch: "Batch", blocks: list[slice], work: Work) -> torch.Tensor:
         """Squared gradient norms per block of columns and example (blocks, n), from the captures and the rest."""
         norms = torch.zeros(len(blocks), batch.n, dtype=batch.dtype, device=batch.device)
         for cut in self.cuts:
             index = next(i for i, b in enumerate(blocks) if b.start <= cut.cols.start and cut.cols.stop <= b.stop)
-            norms[index] += layer_squared_norms(batch.a(cut.layer.name), batch.g(cut.layer.name), work)
+            norms[index] += cut_squared_norms(batch.shares(cut.name), work)
         if batch.rest is not None:
             assert self.rest_columns is not None
             for index, b in enumerate(blocks):
@@ -122,7 +174,7 @@ class Rows:
     def from_flat(flat: torch.Tensor, split: GradientSplit, order: RowOrder = "parameters") -> "Rows":
         """Each layer's rows as one contiguous (m, out, in) tensor: its GEMMs then read them as a matrix, where a
         view into the flat rows would be copied again for every batch."""
-        layers = {cut.layer.name: LayerRows(dense=cut.matrix(flat, order).contiguous()) for cut in split.cuts}
+        layers = {cut.name: LayerRows(dense=cut.matrix(flat, order).contiguous()) for cut in split.cuts}
         rest = None if split.rest_columns is None else flat[:, split.rest_columns.to(flat.device)]
         return Rows(layers, rest, len(flat))
 
@@ -165,12 +217,17 @@ class Batch:
     n: int
     dtype: torch.dtype
     device: torch.device
+    tied: dict[str, tuple[Share, ...]] = field(default_factory=dict)  # the shares of tied weights' cuts, by cut name
 
     def a(self, layer: str) -> torch.Tensor:
         return self.capture.a[layer]
 
     def g(self, layer: str) -> torch.Tensor:
         return self.capture.g[layer][0]
+
+    def shares(self, cut: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(a, g) of each share in a cut's gradient: its layer's own capture, or a tied weight's shares."""
+        return [share.read(self) for share in self.tied[cut]] if cut in self.tied else [(self.a(cut), self.g(cut))]
 
 
 def gradient_batch(split: GradientSplit, x: torch.Tensor, y: torch.Tensor, work: Work, measure: bool = False) -> Batch:
@@ -181,15 +238,17 @@ def gradient_batch(split: GradientSplit, x: torch.Tensor, y: torch.Tensor, work:
     work.gradient_rows += examples.count(x)
     cap = capture(objective.model, split.layers, objective.task, x, y, "measurement" if measure else "labels") if split.cuts else Capture({}, {})
     rest = None if split.rest is None else split.rest.per_sample_grads(x, y, measure)
-    return Batch(cap, rest, examples.count(x), objective.space.dtype, objective.space.device)
+    tied = {cut.name: cut.shares for cut in split.cuts if cut.layer is None}
+    return Batch(cap, rest, examples.count(x), objective.space.dtype, objective.space.device, tied)
 
 
 def contract(rows: Rows, batch: Batch, work: Work) -> torch.Tensor:
-    """Scores (rows, n): every row against every example's gradient, summed over layers."""
+    """Scores (rows, n): every row against every example's gradient, summed over layers (and a tied weight's shares)."""
     out = None
     for name, layer_rows in rows.layers.items():
-        part = contract_layer(layer_rows, batch.a(name), batch.g(name), work)
-        out = part if out is None else out.add_(part)
+        for a, g in batch.shares(name):
+            part = contract_layer(layer_rows, a, g, work)
+            out = part if out is None else out.add_(part)
     if rows.rest is not None:
         assert batch.rest is not None
         part = rows.rest @ batch.rest.T
@@ -298,13 +357,39 @@ def _per_example(rows: torch.Tensor, example: torch.Tensor, n: int) -> torch.Ten
 
 
 def embedding_gradients(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Per-example gradients Σ_t e_{id_t} g_tᵀ of an embedding with `vocab` rows, formed (n, vocab·d) in the weight's
-    own row-major layout, for the methods that need gradients as features."""
+    """Per-example gradients Σ_t e_{id_t} g_tᵀ of an embedding with `vocab` rows, formed (n, vocab, d), for the
+    methods that need gradients as features."""
     n, _, width = g.shape
     example, token, values = token_rows(ids, g)
     grads = g.new_zeros(n, vocab, width)
     grads[example, token] = values  # each (example, id) once
-    return grads.reshape(n, -1)
+    return grads
+
+
+def tied_cross(ids: torch.Tensor, g: torch.Tensor, h: torch.Tensor, delta: torch.Tensor, work: Work) -> torch.Tensor:
+    """⟨G_emb, G_out⟩ per example of a tied weight's shares G_emb = Σ_t e_{id_t} g_tᵀ and G_out = Σ_s δ_s h_sᵀ:
+    Σ_v (Σ_{t: id_t = v} g_t)·(Σ_s δ_s[v] h_s) over each example's distinct tokens v, the δ columns gathered at
+    them (work ∝ distinct tokens × T × d, never V × d), in blocks of (example, token) pairs."""
+    example, token, values = token_rows(ids, g)
+    n, positions, width = h.shape
+    step = max(1, BUDGET_BYTES // (positions * width * h.element_size()))
+    parts = []
+    for lo in range(0, len(token), step):
+        pair, v = example[lo : lo + step], token[lo : lo + step]
+        summed = torch.einsum("ks,ksd->kd", delta[pair, :, v], h[pair])  # Σ_s δ_s[v] h_s per pair
+        parts.append((summed * values[lo : lo + step]).sum(1))
+    work.score_flops += 2.0 * len(token) * positions * (width + 1)
+    return _per_example(torch.cat(parts), example, n)
+
+
+def cut_squared_norms(shares: list[tuple[torch.Tensor, torch.Tensor]], work: Work) -> torch.Tensor:
+    """‖Σ_k G_k‖² per example over a cut's shares (a, g): their squared norms, plus twice the cross term of a tied
+    weight's two shares (the embedding's, then the output Linear's)."""
+    norms = sum(layer_squared_norms(a, g, work) for a, g in shares)
+    if len(shares) == 2:
+        (ids, g), (h, delta) = shares
+        norms = norms + 2 * tied_cross(ids, g, h, delta, work)
+    return norms
 
 
 def layer_squared_norms(a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
@@ -331,12 +416,8 @@ def materialise(batch: Batch, split: GradientSplit, order: RowOrder, dim: int) -
     """The per-example gradients (n, p) in the split's column layout, from the captures and the rest."""
     out = torch.zeros(batch.n, dim, dtype=batch.dtype, device=batch.device)
     for cut in split.cuts:
-        a, g = batch.a(cut.layer.name), batch.g(cut.layer.name)
-        if cut.layer.embedding:  # its (V, d) weight's layout is its matrix's, in either order
-            out[:, cut.cols] = embedding_gradients(a, g, cut.layer.out_dim)
-        else:
-            grads = outer_gradients(g, a)
-            out[:, cut.cols] = cut.layer.to_flat(grads) if order == "parameters" else grads.reshape(batch.n, -1)
+        grads = sum(outer_gradients(g, a) if a.is_floating_point() else embedding_gradients(a, g, cut.shape[0]) for a, g in batch.shares(cut.name))
+        out[:, cut.cols] = cut.to_flat(grads, order)
     if batch.rest is not None:
         assert split.rest_columns is not None
         out[:, split.rest_columns.to(out.device)] = batch.rest
@@ -402,15 +483,15 @@ def factor_rows(flat: torch.Tensor, split: GradientSplit, order: RowOrder, rank:
         return Rows.from_flat(flat, split, order)
     m, layers, col = len(flat), {}, 0
     for cut in split.cuts:
-        height, width = cut.layer.out_dim, cut.layer.in_dim
+        height, width = cut.shape
         if rank < min(height, width):
             left = flat[:, col : col + height * rank].reshape(m, height, rank).contiguous()
             col += height * rank
             right = flat[:, col : col + rank * width].reshape(m, rank, width).contiguous()
             col += rank * width
-            layers[cut.layer.name] = LayerRows(left=left, right=right)
+            layers[cut.name] = LayerRows(left=left, right=right)
         else:
-            layers[cut.layer.name] = LayerRows(dense=flat[:, col : col + height * width].reshape(m, height, width).contiguous())
+            layers[cut.name] = LayerRows(dense=flat[:, col : col + height * width].reshape(m, height, width).contiguous())
             col += height * width
     rest = flat[:, col:].contiguous() if split.rest_columns is not None else None
     return Rows(layers, rest, m)

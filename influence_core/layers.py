@@ -6,7 +6,8 @@ g = ∂ℓ/∂(layer output). Kronecker-factored curvature and Kronecker-structu
 An `nn.Embedding` is captured as its token ids a (batch, positions), integers, and g (batch, positions, width): its
 gradient is the scatter Σ_t e_{id_t} g_tᵀ (vocabulary × width), kept as its nonzero rows (contraction.py); positions
 holding `padding_idx` get g = 0, as torch gives that row no gradient. Embeddings are no Kronecker layer (K-FAC
-leaves them out, see `select_layers`).
+leaves them out, see `select_layers`). An embedding whose weight an output Linear shares (`tied_embeddings`) is
+captured with that Linear: the weight's gradient is the sum of both captures' shares (contraction.py).
 """
 
 from __future__ import annotations
@@ -226,14 +227,31 @@ def per_example_layers(model: nn.Module, layers: list[TrackedLayer], x: examples
     return {name for name, seen in sizes.items() if seen == [n, 2 * n]}
 
 
+def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """The modules (name, module) that register each parameter tensor, by the tensor's id."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append((name, module))
+    return owners
+
+
 def shared_parameters(model: nn.Module) -> set[int]:
     """ids of parameter tensors registered by more than one module (tied weights, as GPT-2's lm_head and wte): a
     capture of one module misses the other's share of the gradient."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    return {key for key, count in owners.items() if count > 1}
+    return {key for key, found in _owners(model).items() if len(found) > 1}
+
+
+def tied_embeddings(model: nn.Module) -> list[tuple[TrackedLayer, TrackedLayer]]:
+    """(embedding, output Linear) pairs whose weight (V × d) is one tensor that these two modules alone register
+    (GPT-2's lm_head.weight is wte.weight), in either order: its gradient is the sum of both modules' shares."""
+    pairs = []
+    for found in _owners(model).values():
+        embedding = [TrackedLayer(*owner) for owner in found if isinstance(owner[1], nn.Embedding)]
+        output = [TrackedLayer(*owner) for owner in found if isinstance(owner[1], nn.Linear)]
+        if len(found) == 2 and len(embedding) == len(output) == 1 and embedding[0].module.weight is output[0].module.weight:
+            pairs.append((embedding[0], output[0]))
+    return pairs
 
 
 @contextmanager

@@ -158,15 +158,16 @@ class InfluenceFunctionModel(ABC):
         """Which of the model's parameters the scores are taken over: included, excluded (outside `modules` or the
         method's layers) and frozen (requires_grad=False), each with its tensor names and element count. Once fitted,
         the included ones are also split by how their per-example gradients are taken: `captured` from whole
-        Linear/Conv1D/Conv2d/Embedding layers (contracted with the queries where the method contracts) and `vmapped`
-        by torch.func (position embeddings of arange(T), tied embeddings, norms, shared layers)."""
+        Linear/Conv1D/Conv2d/Embedding layers and weights tied between an embedding and an output Linear (contracted
+        with the queries where the method contracts) and `vmapped` by torch.func (position embeddings of arange(T),
+        norms, shared layers)."""
         named = dict(self.objective.model.named_parameters())
         groups = {"included": list(self.objective.space.params), "excluded": self.excluded_parameters, "frozen": self.frozen_parameters}
         if self.train is not None:
             split = self.gradient_split(*next(iter(self.train)))
-            captured = {p for layer in split.layers for p in layer.param_names}
-            groups["captured"] = [n for n in groups["included"] if n in captured]
-            groups["vmapped"] = [n for n in groups["included"] if n not in captured]
+            vmapped = set() if split.rest is None else set(split.rest.space.names)
+            groups["captured"] = [n for n in groups["included"] if n not in vmapped]
+            groups["vmapped"] = [n for n in groups["included"] if n in vmapped]
         return {kind: {"tensors": len(names), "elements": sum(named[n].numel() for n in names), "names": names} for kind, names in groups.items()}
 
     @property

@@ -52,7 +52,7 @@ def contracted_gradients(model: nn.Module, task: LanguageModelling | str, x: tor
     objective = Objective(model, task)
     split = GradientSplit(objective, (x, y))
     grads = materialise(gradient_batch(split, x, y, Work()), split, "parameters", objective.space.dim)
-    return grads, [cut.layer.name for cut in split.cuts]
+    return grads, [cut.name for cut in split.cuts]
 
 
 def test_conv1d_gradients_are_captured_and_match_a_backward_loop():
@@ -84,13 +84,24 @@ def gpt2() -> nn.Module:
 
 
 def test_gpt2_projections_are_tracked_and_gradients_match(gpt2):
-    """Every GPT-2 projection is a Conv1D layer contracted from captures; embeddings and LayerNorms go through
-    vmap; together they equal the backward loop on the LM task (rtol 1e-10)."""
+    """Every GPT-2 projection is a Conv1D layer contracted from captures, and so is the token embedding tied to
+    lm_head (both shares); the position embedding and LayerNorms go through vmap; together they equal the backward
+    loop on the LM task (rtol 1e-10)."""
     ids = torch.randint(0, 20, (3, 6), generator=torch.Generator().manual_seed(4))
     grads, cut = contracted_gradients(gpt2, LanguageModelling(), ids, ids)
-    assert len(cut) == 8 and all(layer_type(dict(gpt2.named_modules())[name]) == "Conv1D" for name in cut)
-    assert [layer.name for layer in select_layers(gpt2, ["Conv1D"])] == cut
+    assert len(cut) == 9 and all(layer_type(dict(gpt2.named_modules())[name]) == "Conv1D" for name in cut[:8]) and cut[8] == "transformer.wte"
+    assert [layer.name for layer in select_layers(gpt2, ["Conv1D"])] == cut[:8]
     torch.testing.assert_close(grads, loop_gradients(gpt2, LanguageModelling(), ids, ids), rtol=1e-10, atol=1e-13)
+
+
+def test_gpt2_squared_norms_with_the_tied_embedding_match(gpt2):
+    """Each example's squared gradient norm from the captures, the tied wte/lm_head weight's cross term between its
+    two shares included, equals the backward loop's (rtol 1e-10)."""
+    ids = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(7))
+    objective = Objective(gpt2, LanguageModelling())
+    split = GradientSplit(objective, (ids, ids))
+    norms = split.block_norms(gradient_batch(split, ids, ids, Work()), [slice(0, objective.space.dim)], Work())[0]
+    torch.testing.assert_close(norms, (loop_gradients(gpt2, LanguageModelling(), ids, ids) ** 2).sum(1), rtol=1e-10, atol=1e-13)
 
 
 def test_gpt2_ekfac_eigenvalues_are_the_exact_curvature_in_its_eigenbasis(gpt2):

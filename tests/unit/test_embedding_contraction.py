@@ -2,7 +2,9 @@
 query factors, squared norms (self-influence, sketches) and the work counted equal an independent reference, each
 example's gradient by its own `torch.autograd.grad` call in float64 (rtol 1e-10). Cases: tokens repeated within an
 example, a `padding_idx`, an embedding followed by a Linear, a language model with a position embedding (which stays
-on vmap: arange(T) has no batch dimension), and tied input/output embeddings (vmap, exact)."""
+on vmap: arange(T) has no batch dimension), and tied input/output embeddings, contracted as the sum of the
+embedding's and the output Linear's shares: on that language model, and on a causal one without position embedding
+(V 17, d 8, a padding id with its labels ignored), with and without an output bias."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from torch import nn
 
 from influence_core import CgInfluence, DirectInfluence, IdentityInfluence
 from influence_core.blocks import layer_blocks
-from influence_core.contraction import LayerRows, contract_layer
+from influence_core.contraction import LayerRows, contract_layer, dense_rows, factor_rows
 from influence_core.task import resolve_task
+from influence_core.task.builtin import IGNORE_INDEX
 from influence_core.work import Work
 
 VOCAB, WIDTH, POSITIONS, PAD = 7, 5, 9, 0  # 9 positions over 7 ids: every example repeats a token
@@ -46,10 +49,38 @@ class TinyLM(nn.Module):
         return self.head(torch.tanh(self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))))
 
 
+TIED_VOCAB, TIED_WIDTH = 17, 8
+
+
+class TiedCausalLM(nn.Module):
+    """Token embedding (with a padding id) → a residual Linear over each prefix's mean (causal) → output Linear whose
+    weight is the embedding's, with or without a bias of its own; with the bias, the head is registered first, so the
+    shared weight is named head.weight."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        if bias:
+            self.head = nn.Linear(TIED_WIDTH, TIED_VOCAB)
+        self.tokens = nn.Embedding(TIED_VOCAB, TIED_WIDTH, padding_idx=PAD)
+        self.mix = nn.Linear(TIED_WIDTH, TIED_WIDTH)
+        if not bias:
+            self.head = nn.Linear(TIED_WIDTH, TIED_VOCAB, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.tokens(ids))
+        prefix = h.cumsum(1) / torch.arange(1, ids.shape[1] + 1, dtype=h.dtype)[:, None]
+        return self.head(h + torch.tanh(self.mix(prefix)))
+
+
 def case(name: str) -> tuple[nn.Module, str, torch.Tensor, torch.Tensor]:
     """A float64 model, its task, and 24 examples of token ids (a padding id in the last two positions of some)."""
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
+    if name in TIED:  # repeated tokens (positions 1 and 3) and padding, its labels ignored as an attention mask does
+        x = torch.randint(1, TIED_VOCAB, (24, POSITIONS), generator=gen)
+        x[:, 3], x[::3, -2:] = x[:, 1], PAD
+        return TiedCausalLM(bias=name == "tied_causal_bias").double(), "language_modelling", x, x.masked_fill(x == PAD, IGNORE_INDEX)
     x = torch.randint(0, VOCAB, (24, POSITIONS), generator=gen)
     if name == "embed_linear":
         x[::3, -2:] = PAD
@@ -63,21 +94,26 @@ def naive_gradients(model: nn.Module, task: str, x: torch.Tensor, y: torch.Tenso
     return torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss(model(x[i : i + 1]), y[i : i + 1]).sum(), params)]) for i in range(len(x))])
 
 
-CASES = ["embed_linear", "lm", "tied_lm"]
-CONTRACTED = {"embed_linear": {"tokens", "mix"}, "lm": {"tokens", "head"}, "tied_lm": set()}  # tied: the head has no weight of its own
+TIED = ["tied_causal", "tied_causal_bias"]
+CASES = ["embed_linear", "lm", "tied_lm", *TIED]
+# tied: the cut "tokens" is the shared weight, "head" the head's bias (a cut of its own)
+CONTRACTED = {"embed_linear": {"tokens", "mix"}, "lm": {"tokens", "head"}, "tied_lm": {"tokens", "head"}, "tied_causal": {"tokens", "mix"}, "tied_causal_bias": {"tokens", "mix", "head"}}
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_dispatch_puts_the_embedding_on_the_contracted_path(name):
-    """The token embedding is captured (not vmapped) unless tied; the position embedding of arange(T) is vmapped."""
+    """The token embedding is captured (not vmapped), tied or not: a tied weight is one cut with the embedding's and
+    the head's shares, and no column of it is vmapped; the position embedding of arange(T) is vmapped."""
     model, task, x, y = case(name)
     im = IdentityInfluence(model, task, batch_size=10).fit((x, y))
     split = im.gradient_split(x, y)
-    assert {cut.layer.name for cut in split.cuts} == CONTRACTED[name]
+    assert {cut.name for cut in split.cuts} == CONTRACTED[name]
     listed = im.attributed_parameters()
-    assert ("tokens.weight" in listed["captured"]["names"]) == (name != "tied_lm")
-    assert ("tokens.weight" in listed["vmapped"]["names"]) == (name == "tied_lm")
-    assert ("positions.weight" in listed["vmapped"]["names"]) == (name != "embed_linear")
+    assert ("head.weight" if name == "tied_causal_bias" else "tokens.weight") in listed["captured"]["names"]
+    assert listed["vmapped"]["names"] == (["positions.weight"] if name in ("lm", "tied_lm") else [])
+    tokens = next(cut for cut in split.cuts if cut.name == "tokens")
+    assert [share.layer.name for share in tokens.shares] == (["tokens", "head"] if "tied" in name else ["tokens"])
+    assert split.rest_columns is None or not ((split.rest_columns >= tokens.cols.start) & (split.rest_columns < tokens.cols.stop)).any()
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -94,6 +130,22 @@ def test_scores_and_query_factors_equal_a_naive_loop(name):
     torch.testing.assert_close(im.influences_from_factors(factors, x, y), grads[:5] @ grads.T, rtol=1e-10, atol=1e-12)
     rows = torch.randn(4, grads.shape[1], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     torch.testing.assert_close(im.influences_from_factors(rows, x, y), rows @ grads.T, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", TIED)
+def test_rank_r_factors_of_a_tied_weight_score_as_their_dense_product(name):
+    """query_rank 2: the tied weight's rows L R (V × 2, 2 × d) are gathered at the tokens (L[v] R) for the embedding's
+    share and multiplied out for the head's; the scores are the dense rows L R against the naive gradients."""
+    model, task, x, y = case(name)
+    im = IdentityInfluence(model, task, batch_size=10, query_rank=2).fit((x, y))
+    compressed = im.influence_factors(x[:4], y[:4])
+    split = im.gradient_split(x, y)
+    rows = factor_rows(compressed, split, im.row_order, im.query_rank)
+    assert rows.layers["tokens"].rank == 2 and split.rest is None
+    dense = torch.cat([cut.to_flat(dense_rows(rows.layers[cut.name]), im.row_order) for cut in split.cuts], dim=1)
+    order = torch.cat([torch.arange(cut.cols.start, cut.cols.stop) for cut in split.cuts]).argsort()
+    expected = dense[:, order] @ naive_gradients(model, task, x, y).T
+    torch.testing.assert_close(im.influences_from_factors(compressed, x, y), expected, rtol=1e-10, atol=1e-12)
 
 
 def test_direct_influence_through_the_embedding_equals_the_explicit_solve():
