@@ -18,7 +18,8 @@ example's distinct tokens (work ∝ distinct tokens × T × d, never V × d). Ev
 materialised gradients, squared norms, rank-r rows, sketches, a basis's features) goes through a cut's shares;
 K-FAC/EK-FAC and projections take their layers from `select_layers`, which leaves tied weights out.
 Parameters outside such layers (position embeddings of arange(T), norms, custom modules, a weight shared in any
-other way) keep vmap per-sample gradients.
+other way) keep vmap per-sample gradients. So does a cut whose captures, summed over the split's probe examples,
+miss part of autograd's gradient (a weight tensor code also uses, as F.linear(h, emb.weight)): checked once per split.
 """
 
 from __future__ import annotations
@@ -117,9 +118,26 @@ class GradientSplit:
         self.cuts = [LayerCut.whole(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if layer.name in captured]
         names = {id(p): n for n, p in model.named_parameters()}
         self.cuts += [cut for embedding, output in ties if {embedding.name, output.name} <= captured for cut in tied_cuts(embedding, output, blocks, names, shared)]
+        incomplete = self._incomplete(probe) if self.cuts else set()
+        self.cuts = [cut for cut in self.cuts if cut.name not in incomplete]
         rest = [n for n, b in blocks.items() if not any(cut.cols.start <= b.start and b.stop <= cut.cols.stop for cut in self.cuts)]
         self.rest_columns = torch.cat([torch.arange(blocks[n].start, blocks[n].stop) for n in rest]) if rest else None
         self.rest = Objective(objective.model, objective.task, rest) if rest else None
+
+    def _incomplete(self, probe: tuple[torch.Tensor, torch.Tensor], rtol: float = 1e-3) -> set[str]:
+        """Cuts whose captured gradient, summed over the probe's examples, is not autograd's: a weight that tensor
+        code also uses outside its module (F.linear(h, emb.weight)) has gradient its captures miss. Those keep vmap."""
+        objective = self.objective
+        x, y = objective.to_model(*probe)
+        n = examples.count(x)
+        total = torch.func.grad(lambda p: sum(objective.batch_loss(p, examples.take(x, slice(i, i + 1)), y[i : i + 1]) for i in range(n)))(objective.params)
+        expected = objective.space.flatten(total)
+        batch, incomplete = captured_batch(self, x, y), set()
+        for cut in self.cuts:
+            found, want = cut.to_flat(cut_gradients(batch, cut).sum(0, keepdim=True), "parameters")[0], expected[cut.cols]
+            if (want - found).norm() > rtol * want.norm():
+                incomplete.add(cut.name)
+        return incomplete
 
     @property
     def layers(self) -> list[TrackedLayer]:
@@ -233,13 +251,19 @@ class Batch:
 def gradient_batch(split: GradientSplit, x: torch.Tensor, y: torch.Tensor, work: Work, measure: bool = False) -> Batch:
     """Capture the tracked layers and take vmap gradients of the rest, of the training loss (of the task's query
     measurement with `measure`); counted as one gradient per example."""
-    objective = split.objective
-    x, y = objective.to_model(x, y)
+    x, y = split.objective.to_model(x, y)
     work.gradient_rows += examples.count(x)
+    batch = captured_batch(split, x, y, measure)
+    batch.rest = None if split.rest is None else split.rest.per_sample_grads(x, y, measure)
+    return batch
+
+
+def captured_batch(split: GradientSplit, x: examples.Inputs, y: torch.Tensor, measure: bool = False) -> Batch:
+    """The captures of the split's layers for a batch already on the model's device and dtype (no rest yet)."""
+    objective = split.objective
     cap = capture(objective.model, split.layers, objective.task, x, y, "measurement" if measure else "labels") if split.cuts else Capture({}, {})
-    rest = None if split.rest is None else split.rest.per_sample_grads(x, y, measure)
     tied = {cut.name: cut.shares for cut in split.cuts if cut.layer is None}
-    return Batch(cap, rest, examples.count(x), objective.space.dtype, objective.space.device, tied)
+    return Batch(cap, None, examples.count(x), objective.space.dtype, objective.space.device, tied)
 
 
 def contract(rows: Rows, batch: Batch, work: Work) -> torch.Tensor:
@@ -416,12 +440,16 @@ def materialise(batch: Batch, split: GradientSplit, order: RowOrder, dim: int) -
     """The per-example gradients (n, p) in the split's column layout, from the captures and the rest."""
     out = torch.zeros(batch.n, dim, dtype=batch.dtype, device=batch.device)
     for cut in split.cuts:
-        grads = sum(outer_gradients(g, a) if a.is_floating_point() else embedding_gradients(a, g, cut.shape[0]) for a, g in batch.shares(cut.name))
-        out[:, cut.cols] = cut.to_flat(grads, order)
+        out[:, cut.cols] = cut.to_flat(cut_gradients(batch, cut), order)
     if batch.rest is not None:
         assert split.rest_columns is not None
         out[:, split.rest_columns.to(out.device)] = batch.rest
     return out
+
+
+def cut_gradients(batch: Batch, cut: LayerCut) -> torch.Tensor:
+    """A cut's per-example gradient matrices (n, out, in): its shares' summed."""
+    return sum(outer_gradients(g, a) if a.is_floating_point() else embedding_gradients(a, g, cut.shape[0]) for a, g in batch.shares(cut.name))
 
 
 def weighted_squares(weights: dict[str, torch.Tensor], batch: Batch, work: Work) -> torch.Tensor:

@@ -14,8 +14,9 @@ from torch import nn
 
 from influence_core import CgInfluence, DirectInfluence, IdentityInfluence
 from influence_core.blocks import layer_blocks
-from influence_core.contraction import LayerRows, contract_layer, dense_rows, factor_rows
-from influence_core.task import resolve_task
+from influence_core.contraction import GradientSplit, LayerRows, contract_layer, dense_rows, factor_rows, gradient_batch, materialise
+from influence_core.objective import Objective
+from influence_core.task import LanguageModelling, resolve_task
 from influence_core.task.builtin import IGNORE_INDEX
 from influence_core.work import Work
 
@@ -184,3 +185,30 @@ def test_contraction_counts_its_work_per_distinct_token():
     torch.testing.assert_close(contract_layer(LayerRows(dense=rows), ids, g, work), expected, rtol=1e-10, atol=1e-12)
     distinct = sum(len(set(row.tolist())) for row in ids)
     assert distinct < 6 * POSITIONS and work.score_flops == 2.0 * 4 * distinct * WIDTH
+
+
+class FunctionalTie(nn.Module):
+    """An output layer written as F.linear(h, emb.weight): the tie is tensor code, no second module holds the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(11, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.tanh(self.mid(self.emb(x))), self.emb.weight)
+
+
+def test_a_weight_tied_by_tensor_code_keeps_vmap_and_exact_gradients():
+    """The embedding's capture misses the output's share of its weight: the probe against autograd finds it, the
+    weight keeps vmap, and the per-example gradients equal a backward loop (without the probe they do not)."""
+    torch.manual_seed(0)
+    model = FunctionalTie().double()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 11, (6, 5), generator=g), torch.randint(0, 11, (6, 5), generator=g)
+    objective = Objective(model, LanguageModelling())
+    split = GradientSplit(objective, (x, y))
+    assert [cut.name for cut in split.cuts] == ["mid"] and split.rest is not None and split.rest.space.names == ["emb.weight"]
+    grads = materialise(gradient_batch(split, x, y, Work()), split, "parameters", objective.space.dim)
+    task, params = LanguageModelling(), [model.emb.weight, model.mid.weight, model.mid.bias]
+    loop = torch.stack([torch.cat([t.reshape(-1) for t in torch.autograd.grad(task.mean_loss(task.output(model(x[i : i + 1])), y[i : i + 1]), params)]) for i in range(len(x))])
+    torch.testing.assert_close(grads, loop, rtol=1e-10, atol=1e-12)
