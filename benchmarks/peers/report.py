@@ -91,6 +91,9 @@ def stage_table(results: dict[str, Any], workload: str, ceiling: float | None) -
     return lines
 
 
+APPROXIMATES = {"ekfac": "ggn", "kfac": "ggn"}  # the matrix a Kronecker-factored side is compared with: the true Fisher = the GGN
+
+
 def agreement_table(results: dict[str, Any], workload: str) -> list[str]:
     refs = results["references"].get(workload, {})
     lines = ["| row | side | configuration | solves | Pearson vs ours | Spearman vs ours | scale vs ours | Pearson vs exact | Spearman vs exact | scale vs exact | exact answer |",
@@ -100,7 +103,7 @@ def agreement_table(results: dict[str, Any], workload: str) -> list[str]:
             run = results["runs"][key]
             c = run["config"]
             ours = next(iter(run.get("vs_ours", {}).values()), None)
-            matrix = c["matrix"] if c["matrix"] in refs else None
+            matrix = next((m for m in (c["matrix"], APPROXIMATES.get(c["matrix"])) if m in refs), None)
             exact = run.get("vs_exact", {}).get(matrix) if matrix else None
             where = f"{matrix}, {refs[matrix].get('solver')}, first {refs[matrix]['queries']} queries" if matrix else "none fits"
             me = "ours" if key == row["configs"][0] else "—"
@@ -339,6 +342,7 @@ def write(results: dict[str, Any], out: Path, suffix: str, threshold: float, thr
             md += ["", "Exact answers (float64, `benchmarks/peers/reference.py`): " + "; ".join(
                 f"{m}: {r.get('solver', '?')} on the first {r['queries']} queries"
                 + (f", {r['iterations']} iterations to relative residual {r['max_relative_residual']:.1e}" if "iterations" in r else "")
+                + (f" ({r['product_dtype']} products, the residual in float64)" if r.get("product_dtype", "float64") != "float64" else "")
                 + (f", smallest eigenvalue of C + λI {r['smallest_eigenvalue_with_lambda']:.3g}" if "smallest_eigenvalue_with_lambda" in r else "")
                 + (f", {r['seconds']:.0f} s" if "seconds" in r else f" ({execute.outcome(r)})")
                 for m, r in refs.items())]
