@@ -182,14 +182,16 @@ def tied_layers(model: nn.Module, modules: dict[str, nn.Module], supported: list
 
 
 def module_param_names(model: nn.Module, modules: Iterable[str] | None) -> list[str] | None:
-    """The parameter names of the chosen modules (None: every trainable parameter)."""
+    """The parameter names of the chosen modules (None: every trainable parameter). A weight shared by two modules
+    (GPT-2's lm_head and wte) goes by the name `named_parameters` lists it under, whichever module names it, once."""
     if modules is None:
         return None
     named = dict(model.named_modules())
     missing = [m for m in modules if m not in named]
     if missing:
         raise ConfigError("method.modules", f"no modules named {missing}", f"pick from {[n for n in named if n]}")
-    return [f"{m}.{p}" for m in modules for p, t in named[m].named_parameters(recurse=False) if t.requires_grad]
+    listed = {id(t): n for n, t in model.named_parameters()}
+    return list(dict.fromkeys(listed[id(t)] for m in modules for t in named[m].parameters(recurse=False) if t.requires_grad))
 
 
 @dataclass

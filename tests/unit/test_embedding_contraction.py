@@ -117,6 +117,19 @@ def test_dispatch_puts_the_embedding_on_the_contracted_path(name):
     assert split.rest_columns is None or not ((split.rest_columns >= tokens.cols.start) & (split.rest_columns < tokens.cols.stop)).any()
 
 
+@pytest.mark.parametrize(("name", "module", "listed_as"), [("tied_causal", "head", "tokens.weight"), ("tied_causal_bias", "tokens", "head.weight")])
+def test_a_tied_weight_can_be_chosen_by_either_module(name, module, listed_as):
+    """`modules` naming the module that does not own the shared weight's name attributes that one tensor, as
+    `named_parameters` lists it; scores equal a naive loop over its gradient alone."""
+    model, task, x, y = case(name)
+    im = IdentityInfluence(model, task, batch_size=10, modules=[module]).fit((x, y))
+    names = im.attributed_parameters()["included"]["names"]
+    assert names == [listed_as]
+    loss, tensors = resolve_task(task).loss, [dict(model.named_parameters())[n] for n in names]
+    grads = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss(model(x[i : i + 1]), y[i : i + 1]).sum(), tensors)]) for i in range(len(x))])
+    torch.testing.assert_close(im.influences(x[:5], y[:5], x, y), grads[:5] @ grads.T, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_scores_and_query_factors_equal_a_naive_loop(name):
     """Identity: the factors are the queries' gradients and the scores their products with the training gradients;
