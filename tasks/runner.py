@@ -31,14 +31,15 @@ class StageRunner:
         self.checkpoint()
         present = stage_input.call.existing() is not None
         wall = time.perf_counter()
-        state = stage.with_options(refresh_cache=not present)(stage_input, return_state=True)
+        name = f"{stage.name}[{member}]" if member else stage.name
+        named = {"task_run_name": name} if member else {}  # the Prefect UI shows member m's task run as stage[m]
+        state = stage.with_options(refresh_cache=not present, **named)(stage_input, return_state=True)
         ref: R = state.result().moved(self.store.resolve)  # stored relative to the output's root, which may have moved
         if state.name == "Cached":
             outcome = "cached"
         else:
             mine = ref.producer == producer() and ref.created_at >= self.started  # not a concurrent run's work
             outcome = "computed" if mine else "found complete"
-        name = f"{stage.name}[{member}]" if member else stage.name
         self.refs[name] = ref
         work = ref.model_dump(include={"work", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters"})  # what the stage did
         self.outcomes[name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
 
 from flows.influence_run import influence_run
 from influence_core import DirectInfluence
@@ -69,6 +71,15 @@ def test_each_member_is_its_own_stage_and_its_work_is_counted(singles, pair):
     assert work == {key: sum(single["stages"]["compute_influences"]["work"][key] for single, _ in singles) for key in work}
     assert stages["compute_influences"]["gradient_rows"] == 2 * N_TRAIN
     assert all(check.ok for check in verify_run(params.store())), verify_run(params.store())
+
+
+def test_member_task_runs_are_named_for_their_member(pair):
+    """In the Prefect UI, member 1's task runs read fit_model[1] etc., in the same flow run as member 0's stages."""
+    with get_client(sync_client=True) as client:
+        run = max(client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["fit_model[1]"]))), key=lambda t: t.created)
+        names = {t.name for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.flow_run_id])))}
+    assert set(member_names(1)) <= names and not any(name.startswith("fit_model[") and name != "fit_model[1]" for name in names)
+    assert any(name.startswith("fit_model-") for name in names)  # member 0 keeps Prefect's own naming
 
 
 def test_growing_the_ensemble_trains_only_the_new_member(pair, dask_address):
