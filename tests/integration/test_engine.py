@@ -113,6 +113,15 @@ def test_multithreaded_workers_are_refused_unless_allowed():
             assert sum(client.nthreads().values()) == 2
 
 
+def test_local_workers_keep_glibcs_dynamic_mmap_threshold(monkeypatch):
+    """Dask gives worker processes MALLOC_TRIM_THRESHOLD_, which makes every large tensor a fresh mmap (W4's factor
+    pass 1.5x slower); the pipeline's workers start without it, even after another cluster left it in os.environ."""
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")  # as a plain LocalCluster's nannies leave it in this process
+    with dask_client(ComputeSpec(cluster="local", n_workers=1), thread_safe=False) as client:
+        env = client.run(lambda: {k: os.environ.get(k) for k in ("MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS")})
+    assert list(env.values()) == [{"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": "1"}]
+
+
 def test_a_run_session_starts_one_cluster_for_all_its_stages_and_closes_it():
     spec = ComputeSpec(cluster="local", n_workers=1)
     with shared_clusters():
