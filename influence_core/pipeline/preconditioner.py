@@ -1,14 +1,15 @@
 """Stage 3: the fitted curvature state of the chosen method (matrix factor, eigenbasis, Kronecker factors, ...).
 
-K-FAC and EK-FAC factors are sums over examples, computed on equal blocks of at most FACTOR_ROWS training rows,
-one task each (on the Dask cluster, or one after another here), with one torch thread, and added in a fixed
-pairwise tree over the blocks (on the cluster, as tasks).
-The partition depends on nothing but the number of rows, and sampled labels are tied to example indices, so every
+K-FAC and EK-FAC factors are sums over examples, computed on equal blocks of at most FACTOR_ROWS training rows
+and FACTOR_POSITIONS loss positions, one task each (on the Dask cluster, or one after another here), with one torch
+thread, and added in a fixed pairwise tree over the blocks (on the cluster, as tasks).
+The partition depends on nothing but the data's shape, and sampled labels are tied to example indices, so every
 cluster kind gives the same bits. Every other method fits in this process with `compute.torch_threads` threads.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,8 @@ from .loading import load_model, open_data, save_tensors, train_batches
 from .stage import StageCall, StageInput, StageLocation
 from .run_store import RunStore
 
-FACTOR_ROWS = 4096  # training rows per factor task
+FACTOR_ROWS = 4096  # training rows per factor task, at most
+FACTOR_POSITIONS = 65_536  # and at most this many loss positions (a language model's row is one per token)
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,13 @@ class FactorJob:
         return ArrayBatches(arrays["x_train"], arrays["y_train"], self.method.batch_size, lo, hi)
 
 
-def factor_blocks(n: int) -> list[tuple[int, int]]:
-    """⌈n / FACTOR_ROWS⌉ row ranges of equal size (to one row), so no task waits on a short last block: W3's 5,000
-    rows as 2 × 2,500, not 4,096 + 904 (its fit_preconditioner 4.39/4.53 s -> 3.78/3.69 s on two workers)."""
-    count = -(-n // FACTOR_ROWS)
+def factor_blocks(n: int, positions: int = 1) -> list[tuple[int, int]]:
+    """Row ranges of equal size (to one row), as few as hold at most FACTOR_ROWS rows and FACTOR_POSITIONS loss
+    positions each (`positions` per row), so no task waits on a short last block: W3's 5,000 rows as 2 × 2,500, not
+    4,096 + 904 (its fit_preconditioner 4.39/4.53 s -> 3.78/3.69 s on two workers), and W4's 2,000 windows of 64
+    tokens as 2 × 1,000, not one task that leaves the second worker idle."""
+    rows = max(1, min(FACTOR_ROWS, FACTOR_POSITIONS // positions))
+    count = -(-n // rows)
     return [(i * n // count, (i + 1) * n // count) for i in range(count)]
 
 
@@ -98,7 +103,8 @@ def _block_sums(client: Client | None, fn: Callable[..., Sums], job: FactorJob, 
     driver holds the total only, not every block's sums (for W3's model ~37 MB per block: 245 blocks for a million rows)."""
     if client is not None and shared:
         shared = {name: client.scatter(value, broadcast=True) for name, value in shared.items()}
-    return summed_tasks(client, fn, [(job, lo, hi) for lo, hi in factor_blocks(job.data.n_train)], merge, shared)
+    positions = math.prod(job.data.arrays["y_train"].shape[1:])  # 1 for a class per row, T for a window of tokens
+    return summed_tasks(client, fn, [(job, lo, hi) for lo, hi in factor_blocks(job.data.n_train, positions)], merge, shared)
 
 
 def kronecker_factors(im: KfacInfluence, job: FactorJob, client: Client | None) -> dict[str, dict[str, Any]]:

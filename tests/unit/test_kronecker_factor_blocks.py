@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from influence_core.pipeline.preconditioner import FACTOR_ROWS, factor_blocks
+from influence_core.pipeline.preconditioner import FACTOR_POSITIONS, FACTOR_ROWS, factor_blocks
 
 
 @pytest.mark.parametrize("n", [1, 7, FACTOR_ROWS, FACTOR_ROWS + 1, 5_000, 2 * FACTOR_ROWS + 1, 1_000_000])
@@ -18,6 +18,13 @@ def test_factor_blocks_cover_the_rows_in_equal_blocks(n):
     assert len(blocks) == math.ceil(n / FACTOR_ROWS)
     sizes = [hi - lo for lo, hi in blocks]
     assert max(sizes) <= FACTOR_ROWS and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(("n", "positions", "expected"), [(2_000, 64, [(0, 1_000), (1_000, 2_000)]), (3, FACTOR_POSITIONS + 1, [(0, 1), (1, 2), (2, 3)]),
+                                                          (FACTOR_ROWS, 16, [(0, FACTOR_ROWS)])])
+def test_factor_blocks_hold_at_most_factor_positions_loss_positions(n, positions, expected):
+    """Windows of tokens: W4's 2,000 × 64 positions in two blocks; a row longer than the budget is a block alone."""
+    assert factor_blocks(n, positions) == expected
 
 
 def test_block_sums_added_on_the_cluster_equal_those_added_here(tmp_path, dask_address, monkeypatch):
