@@ -31,12 +31,12 @@ from tests.helpers import read_outputs, small_params
 REPO = Path(__file__).resolve().parents[2]
 
 
-def slow_params(output_url: str, cluster: str = "sequential", **extra):
+def slow_params(output_url: str, cluster: str = "sequential", n_train: int = 400, **extra):
     """CG with exact self-influence (one CG solve per training example): each 32-row chunk takes a noticeable
     moment, so a run can be interrupted."""
     return small_params(
         output_url,
-        dataset={"n_train": 400, "n_test": 8, "chunk_rows": 128},
+        dataset={"n_train": n_train, "n_test": 8, "chunk_rows": 128},
         model={"hidden": [16]},
         method={"name": "cg", "regularization": 1e-2, "rtol": 1e-6},
         compute={"cluster": cluster, "train_chunk_rows": 32, **extra},

@@ -21,6 +21,10 @@ from tests.integration.test_engine import REPO, slow_params
 
 pytestmark = pytest.mark.slow
 ALIVE_AFTER_SECONDS = 15
+# 25 chunks of 32 rows, 5.0 s of scoring on 2 workers: a signalled run finishes the 2-3 chunks in flight, so three
+# runs leave work to resume (400 rows, 13 chunks in 3.6 s since workers run without MALLOC_TRIM_THRESHOLD_: a fresh
+# clone's run once finished them all before the signal took effect)
+N_TRAIN = 800
 
 
 def start(config: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -63,7 +67,7 @@ def test_each_signal_stops_everything_and_the_run_resumes_bit_identically(tmp_pa
     configs = {}
     for name in ("reference", "run"):
         configs[name] = tmp_path / f"{name}.yaml"
-        configs[name].write_text(yaml.safe_dump(slow_params(str(tmp_path / name), cluster="local", n_workers=2).model_dump(mode="json")))
+        configs[name].write_text(yaml.safe_dump(slow_params(str(tmp_path / name), cluster="local", n_train=N_TRAIN, n_workers=2).model_dump(mode="json")))
     reference = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(configs["reference"])], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
 
@@ -78,13 +82,13 @@ def test_each_signal_stops_everything_and_the_run_resumes_bit_identically(tmp_pa
             time.sleep(0.2)
         alive = [f"{p.pid} {command[:120]}" for p, command in started.items() if _alive(p)]
         assert not alive, f"{name}: still alive {ALIVE_AFTER_SECONDS} s later: {alive}"
-        group, _ = read_outputs(slow_params(str(tmp_path / "run")).store())
+        group, _ = read_outputs(slow_params(str(tmp_path / "run"), n_train=N_TRAIN).store())
         assert group.attrs["status"] == "running"  # an interrupted run never looks complete
 
     resumed = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(configs["run"])], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    group, arrays = read_outputs(slow_params(str(tmp_path / "run")).store())
-    _, expected = read_outputs(slow_params(str(tmp_path / "reference")).store())
+    group, arrays = read_outputs(slow_params(str(tmp_path / "run"), n_train=N_TRAIN).store())
+    _, expected = read_outputs(slow_params(str(tmp_path / "reference"), n_train=N_TRAIN).store())
     assert group.attrs["status"] == "complete"
     assert arrays.keys() == expected.keys() >= {"scores", "self_influence", "topk_helpful_indices", "train_totals"}
     for name, values in expected.items():
