@@ -47,7 +47,8 @@ def tracked_names(w: Workload) -> list[str]:
 
 
 class Flat:
-    """The model as a function of one flat float64 vector of its tracked parameters (the others held fixed)."""
+    """The model as a function of one flat vector of its tracked parameters (the others held fixed), in `dtype`:
+    float64, or float32 for block CG's products."""
 
     def __init__(self, w: Workload, device: str, chunk: int | None = None, dtype: torch.dtype = torch.float64) -> None:
         self.spec = w.spec
