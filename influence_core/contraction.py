@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from . import examples
-from .layers import Capture, TrackedLayer, capture, contractible, outer_gradients, per_example_layers, shared_parameters, tied_embeddings
+from .layers import Capture, TrackedLayer, capture, contractible, listed_names, outer_gradients, per_example_layers, shared_parameters, tied_embeddings
 from .objective import Objective
 from .work import Work
 
@@ -116,7 +116,7 @@ class GradientSplit:
         ties = [pair for pair in tied_embeddings(model) if contractible(pair[0].module)]
         captured = per_example_layers(model, candidates + [layer for pair in ties for layer in pair], objective.to_model(*probe)[0])
         self.cuts = [LayerCut.whole(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if layer.name in captured]
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = listed_names(model)
         self.cuts += [cut for embedding, output in ties if {embedding.name, output.name} <= captured for cut in tied_cuts(embedding, output, blocks, names, shared)]
         incomplete = self._incomplete(probe) if self.cuts else set()
         self.cuts = [cut for cut in self.cuts if cut.name not in incomplete]

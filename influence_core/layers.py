@@ -181,6 +181,12 @@ def tied_layers(model: nn.Module, modules: dict[str, nn.Module], supported: list
     return {n for n in supported if any(p not in owned for p in TrackedLayer(n, modules[n]).param_names)}
 
 
+def listed_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter tensor's name, by the tensor's id, as `named_parameters` lists it (a shared tensor once, under
+    the name of the module that registers it first)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
 def module_param_names(model: nn.Module, modules: Iterable[str] | None) -> list[str] | None:
     """The parameter names of the chosen modules (None: every trainable parameter). A weight shared by two modules
     (GPT-2's lm_head and wte) goes by the name `named_parameters` lists it under, whichever module names it, once."""
@@ -190,7 +196,7 @@ def module_param_names(model: nn.Module, modules: Iterable[str] | None) -> list[
     missing = [m for m in modules if m not in named]
     if missing:
         raise ConfigError("method.modules", f"no modules named {missing}", f"pick from {[n for n in named if n]}")
-    listed = {id(t): n for n, t in model.named_parameters()}
+    listed = listed_names(model)
     return list(dict.fromkeys(listed[id(t)] for m in modules for t in named[m].parameters(recurse=False) if t.requires_grad))
 
 

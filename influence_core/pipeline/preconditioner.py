@@ -9,7 +9,6 @@ cluster kind gives the same bits. Every other method fits in this process with `
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -103,8 +102,7 @@ def _block_sums(client: Client | None, fn: Callable[..., Sums], job: FactorJob, 
     driver holds the total only, not every block's sums (for W3's model ~37 MB per block: 245 blocks for a million rows)."""
     if client is not None and shared:
         shared = {name: client.scatter(value, broadcast=True) for name, value in shared.items()}
-    positions = math.prod(job.data.arrays["y_train"].shape[1:])  # 1 for a class per row, T for a window of tokens
-    return summed_tasks(client, fn, [(job, lo, hi) for lo, hi in factor_blocks(job.data.n_train, positions)], merge, shared)
+    return summed_tasks(client, fn, [(job, lo, hi) for lo, hi in factor_blocks(job.data.n_train, job.data.label_positions)], merge, shared)
 
 
 def kronecker_factors(im: KfacInfluence, job: FactorJob, client: Client | None) -> dict[str, dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -50,6 +51,11 @@ class DataRef(StageRef):
     @property
     def n_train(self) -> int:
         return self.arrays["y_train"].shape[0]
+
+    @property
+    def label_positions(self) -> int:
+        """Entries of one training label: 1 for a class per row, T for a window of T tokens."""
+        return math.prod(self.arrays["y_train"].shape[1:])
 
     @property
     def n_test(self) -> int:
