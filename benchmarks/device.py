@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("fit_model", "fit_preconditioner", "compute_test_factors", "compute_influences")
+STAGES = ("fit_model", "fit_preconditioner", "index_training", "compute_test_factors", "compute_influences")
 
 
 def gpu_gemm_rate(n: int = 8192, repeats: int = 10) -> float:

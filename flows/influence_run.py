@@ -12,11 +12,11 @@ from prefect import flow, get_run_logger
 from influence_core.pipeline.refs import DataRef
 from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
-from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, prepare_data, validate_run
+from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, index_training, prepare_data, validate_run
 from tasks.guards import begin_output, check_data, check_run, run_session
 from tasks.publish import publish_run
 from tasks.runner import StageRunner
-from tasks.stages import AggregationInput, Member, PreconditionerInput, PrepareInput, QueryFactorsInput, ScoringInput, TrainingInput, ValidationInput
+from tasks.stages import AggregationInput, IndexInput, Member, PreconditionerInput, PrepareInput, QueryFactorsInput, ScoringInput, TrainingInput, ValidationInput
 
 from . import interrupts, refusals
 from .parameters import RunParameters
@@ -65,12 +65,12 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     """The six stages, the optional validation and the closing publish, under the output's run lock."""
     run = StageRunner(store, checkpoint=interrupts.raise_if_interrupted)
     data = run(prepare_data, PrepareInput(params.dataset, store))
-    check_data(data, params.aggregate, params.candidates, params.method, params.model)
+    check_data(data, params.aggregate, params.candidates, params.method, params.model, store)
     first, *others = [_member(run, params, data, store, index) for index in range(params.training.ensemble)]
     short = begin_output(store, fingerprint, params.overwrite, data, params.aggregate)
     if short:
         get_run_logger().warning(short)
-    inputs = ScoringInput(params.compute, params.method, params.aggregate, first.model, data, first.preconditioner, first.factors, store, params.candidates, tuple(others))
+    inputs = ScoringInput(params.compute, params.method, params.aggregate, first.model, data, first.preconditioner, first.factors, store, params.candidates, tuple(others), first.index)
     scores = run(compute_influences, inputs)
     run(aggregate, AggregationInput(params.aggregate, scores, store))
     if params.validation.subsets:
@@ -80,10 +80,12 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
 
 
 def _member(run: StageRunner, params: RunParameters, data: DataRef, store: RunStore, index: int) -> Member:
-    """Ensemble member `index` (the model itself when there is one): trained with seed + index, its curvature and query
-    factors, each its own cached stage."""
+    """Ensemble member `index` (the model itself when there is one): trained with seed + index, its curvature, its
+    training index (unless off, or with FastIF's candidates) and its query factors, each its own cached stage."""
     compute, threads = params.compute, params.compute.torch_threads
     model = run(fit_model, TrainingInput(params.model, params.training.member(index), data, store, threads, compute.torch_device), index)
     preconditioner = run(fit_preconditioner, PreconditionerInput(params.method, model, data, store, compute), index)
+    indexed = compute.index_budget_gb > 0 and params.candidates.knn_k is None
+    train_index = run(index_training, IndexInput(params.method, params.aggregate, model, data, preconditioner, store, compute), index) if indexed else None
     factors = run(compute_test_factors, QueryFactorsInput(params.method, model, data, preconditioner, store, threads, compute), index)
-    return Member(model, preconditioner, factors)
+    return Member(model, preconditioner, factors, train_index)

@@ -16,7 +16,7 @@ from influence_core.errors import ConfigError
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 
 
-PLACEMENT = {"compute": ("cluster", "address", "device", "n_workers", "allow_multithreaded_workers"), "storage": ("endpoint_url", "region", "cache_url")}
+PLACEMENT = {"compute": ("cluster", "address", "device", "n_workers", "allow_multithreaded_workers", "index_budget_gb"), "storage": ("endpoint_url", "region", "cache_url")}
 
 
 class RunParameters(BaseModel):

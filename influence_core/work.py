@@ -16,7 +16,9 @@ class Work:
     - solves: right-hand sides solved by an iterative method (CG, LiSSA, DataInf), and solver_iterations their
       iterations summed over solver calls;
     - score_flops: floating-point operations of the contractions that turn gradients into scores and
-      self-influences (GEMMs and the reductions beside them).
+      self-influences (GEMMs and the reductions beside them);
+    - index_rows, index_bytes: training rows (and their bytes) read back from a stored training index instead of
+      evaluating their gradients.
     """
 
     gradient_rows: int = 0
@@ -24,6 +26,8 @@ class Work:
     solves: int = 0
     solver_iterations: int = 0
     score_flops: float = 0.0
+    index_rows: int = 0
+    index_bytes: int = 0
 
     def __iadd__(self, other: "Work") -> "Work":
         for field in fields(self):

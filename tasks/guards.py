@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from influence_core.pipeline import publish
 from influence_core.pipeline.aggregation import check_top_k
 from influence_core.pipeline.candidate_scoring import check_knn_k
+from influence_core.pipeline.loading import open_data
+from influence_core.pipeline.models import check_queries
 from influence_core.pipeline.cluster import shared_clusters
 from influence_core.pipeline.preconditioner import check_method
 from influence_core.pipeline.preflight import preflight
@@ -33,11 +35,13 @@ def run_session(store: RunStore, on_wait: Callable[[str], None]) -> Iterator[Non
         yield
 
 
-def check_data(data: DataRef, aggregate: AggregateSpec, candidates: CandidatesSpec, method: MethodSpec, model: ModelSpec) -> None:
-    """Once the data's sizes are known, before training: top_k and knn_k fit the training set, the method fits the model."""
+def check_data(data: DataRef, aggregate: AggregateSpec, candidates: CandidatesSpec, method: MethodSpec, model: ModelSpec, store: RunStore) -> None:
+    """Once the data's sizes are known, before training: top_k and knn_k fit the training set, the method fits the
+    model, and the queries fit it (every run: the model may come from a run with other queries)."""
     check_top_k(aggregate, data.n_train)
     check_knn_k(candidates, data.n_train)
     check_method(method, model, data)
+    check_queries(model, open_data(data, store.options))
 
 
 def begin_output(store: RunStore, fingerprint: str, overwrite: bool, data: DataRef, aggregate: AggregateSpec) -> str | None:

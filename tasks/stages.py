@@ -4,13 +4,14 @@ exported here for the flow."""
 
 from __future__ import annotations
 
-from influence_core.pipeline import aggregation, preconditioner, prepare, query_factors, scoring, training, validation
+from influence_core.pipeline import aggregation, index, preconditioner, prepare, query_factors, scoring, training, validation
 from influence_core.pipeline.aggregation import AggregationInput
+from influence_core.pipeline.index import IndexInput
 from influence_core.pipeline.cluster import dask_client
 from influence_core.pipeline.preconditioner import PreconditionerInput
 from influence_core.pipeline.prepare import PrepareInput
 from influence_core.pipeline.query_factors import QueryFactorsInput
-from influence_core.pipeline.refs import ScoresRef, StageRef, ValidationRef
+from influence_core.pipeline.refs import IndexRef, ScoresRef, StageRef, ValidationRef
 from influence_core.pipeline.score_input import Member, ScoringInput
 from influence_core.pipeline.specs import METHOD_CLASSES
 from influence_core.pipeline.training import TrainingInput
@@ -20,8 +21,8 @@ from .policy import stage_task
 from .progress import ChunkProgress
 
 __all__ = [
-    "AggregationInput", "Member", "PreconditionerInput", "PrepareInput", "QueryFactorsInput", "ScoringInput", "TrainingInput", "ValidationInput",
-    "aggregate", "compute_influences", "compute_test_factors", "fit_model", "fit_preconditioner", "prepare_data", "validate_run",
+    "AggregationInput", "IndexInput", "Member", "PreconditionerInput", "PrepareInput", "QueryFactorsInput", "ScoringInput", "TrainingInput", "ValidationInput",
+    "aggregate", "compute_influences", "compute_test_factors", "fit_model", "fit_preconditioner", "index_training", "prepare_data", "validate_run",
 ]
 
 prepare_data = stage_task("prepare_data")(prepare.run)  # dataset → row-chunked Zarr arrays with a content fingerprint
@@ -33,6 +34,14 @@ aggregate = stage_task("aggregate")(aggregation.run)  # top-k helpful and harmfu
 def fit_preconditioner(stage: PreconditionerInput) -> StageRef:
     """Fit the curvature state of the chosen method and store it (K-FAC factor passes run on the cluster)."""
     return preconditioner.run(stage, client_factory=lambda: dask_client(stage.compute, METHOD_CLASSES[stage.method.name].thread_safe))
+
+
+@stage_task("index_training")
+def index_training(stage: IndexInput) -> IndexRef:
+    """Every training example's features and self-influence, once per training side: later runs score new queries
+    against them with no training gradient (skipped, with the reason, when over compute.index_budget_gb)."""
+    thread_safe = METHOD_CLASSES[stage.method.name].thread_safe
+    return index.run(stage, client_factory=lambda: dask_client(stage.compute, thread_safe), on_progress=ChunkProgress("index_training", "training rows indexed"))
 
 
 @stage_task("compute_test_factors")

@@ -180,6 +180,14 @@ class InfluenceFunctionModel(ABC):
         """Size of the space curvature is taken in: p, or the projected dimension."""
         return max(sl.stop for sl in self.blocks.values())
 
+    @property
+    def factor_dim(self) -> int:
+        """Width p' of the query factors and of each example's features (`batch_features`): p, the projected
+        dimension, or the low-rank solvers' ranks summed."""
+        if self.projector is not None:
+            return sum(self.projector.dims.values())
+        return sum(solver.feature_dim for solver in self.solvers.values())
+
     @abstractmethod
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         """The solver of one block."""
@@ -306,7 +314,7 @@ class InfluenceFunctionModel(ABC):
         return self._per_block(features, self._feature_slices(), lambda s, f: s.precondition(f))
 
     def _feature_slices(self) -> list[slice]:
-        slices, start = [], 0
+        slices, start = [], 0  # the solvers' blocks of the factor_dim columns
         for solver in self.solvers.values():
             slices.append(slice(start, start + solver.feature_dim))
             start += solver.feature_dim

@@ -6,6 +6,7 @@ Each batch is captured once; scores and self-influences come from the same captu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -63,6 +64,24 @@ class Scorer:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         scores, values = [], []
+        for batch in self._batches(x, y):
+            s, v = self.batch(batch)
+            scores.append(s)
+            values.append(v)
+        return (torch.cat(scores, dim=1) if self.scoring else None), (None if self.plan is None else torch.cat(values))
+
+    def features(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-example features (n, p') of (x, y), what scores contract with the query factors (the training index's
+        rows), and their self-influences (None when off), from the same captures."""
+        rows, values = [], []
+        for batch in self._batches(x, y):
+            features = self.im.batch_features(batch)
+            rows.append(features)
+            values.append(None if self.plan is None else self._self_influences(batch, features))
+        return torch.cat(rows), (None if self.plan is None else torch.cat(values))
+
+    def _batches(self, x: torch.Tensor, y: torch.Tensor) -> Iterator[Batch]:
+        """The captured batches of (x, y), in the basis the scores are taken in (chosen at the first batch)."""
         for lo in range(0, examples.count(x), self.im.batch_size):
             rows = slice(lo, lo + self.im.batch_size)
             batch = self.im.gradient_batch(examples.take(x, rows), y[rows], in_basis=self.as_captured is False)
@@ -70,10 +89,7 @@ class Scorer:
                 self._choose_basis(batch, examples.count(x))
                 if not self.as_captured:
                     batch = self.im.to_basis(batch)
-            s, v = self.batch(batch)
-            scores.append(s)
-            values.append(v)
-        return (torch.cat(scores, dim=1) if self.scoring else None), (None if self.plan is None else torch.cat(values))
+            yield batch
 
     def _choose_basis(self, batch: Batch, n: int) -> None:
         """Score in the captures' basis when the method maps the rows there for less than rotating these n examples."""

@@ -1,5 +1,5 @@
-"""Stage 5's train-chunk tasks, shared by full and candidate scoring: one job type, one worker cache, one marker
-scheme and one executor.
+"""Train-chunk tasks, shared by full and candidate scoring (stage 5) and the training index (stage 3b): one job type,
+one worker cache, one marker scheme and one executor.
 
 A task scores one train chunk against every query, writes its part, then leaves the marker
 `{stage_url}/done/{index}`. A chunk is done only when its marker and its written part are both in the store (a
@@ -85,6 +85,10 @@ class ChunkJob(ABC):
 
     stage: ScoringInput
 
+    def open(self) -> Any:
+        """What a worker process loads once for this job's tasks (`work()` counts what it did): scorers by default."""
+        return ChunkWorker(self)
+
     @property
     def key(self) -> str:
         return self.stage.call.key
@@ -114,30 +118,30 @@ class ChunkJob(ABC):
         """The self-influence plan member `member`'s scorer applies (None: no self-influence)."""
         return None
 
-    @abstractmethod
     def hold(self, plan: SelfInfluencePlan | None) -> Any:
-        """What a worker keeps for this job's tasks besides the scorer (open output arrays, candidates)."""
+        """What a ChunkWorker keeps for this job's tasks besides the scorers (open output arrays, candidates)."""
+        return None
 
     @abstractmethod
     def written(self) -> set[int]:
         """Chunks whose part is wholly in the store."""
 
     @abstractmethod
-    def score(self, worker: ChunkWorker, index: int) -> None:
-        """Score train chunk `index` and write its part."""
+    def score(self, worker: Any, index: int) -> None:
+        """Score (or index) train chunk `index` with what `open()` loaded, and write its part."""
 
 
-_WORKERS: OrderedDict[str, ChunkWorker] = OrderedDict()
+_WORKERS: OrderedDict[str, Any] = OrderedDict()
 _WORKERS_LOCK = threading.Lock()
 
 
-def _worker(job: ChunkJob) -> ChunkWorker:
+def _worker(job: ChunkJob) -> Any:
     """Load once per worker process and job; later tasks of the same job reuse it. Keyed by the job and where it
     writes: two outputs of the same parameters share a key but never a worker's open arrays."""
     where = f"{job.key}:{job.influence_url}"
     with _WORKERS_LOCK:
         if where not in _WORKERS:
-            _WORKERS[where] = ChunkWorker(job)
+            _WORKERS[where] = job.open()
             while len(_WORKERS) > KEPT_WORKERS:
                 _WORKERS.popitem(last=False)
         _WORKERS.move_to_end(where)

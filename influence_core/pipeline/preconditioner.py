@@ -42,8 +42,9 @@ class PreconditionerInput(StageInput[StageRef]):
     compute: ComputeSpec
 
     def plan(self) -> StageCall[StageRef]:
-        """The curvature depends on method, model, data and the torch threads of this process; not on the cluster."""
-        inputs = {"model": self.model, "data": self.data}
+        """The curvature depends on method, model, the training rows and the torch threads of this process; not on the
+        queries, nor on the cluster."""
+        inputs = {"model": self.model, "train": self.data.training}
         return StageCall("fit_preconditioner", StageRef, {"method": self.method.model_dump(mode="json")}, inputs, self.store, self.compute.torch_threads)
 
 

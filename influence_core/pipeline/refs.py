@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from datetime import datetime
@@ -53,6 +54,16 @@ class DataRef(StageRef):
         return self.arrays["y_train"].shape[0]
 
     @property
+    def training(self) -> Ref:
+        """The training side alone, as a stage-key input: its fingerprint hashes the training arrays and the model
+        shape they imply (classes, image shape), never the queries, so stages keyed on it (fit_model,
+        fit_preconditioner, index_training, validation's retrainings) are reused by runs with other queries."""
+        names = sorted(name for name in self.arrays if name.split("/")[0] in ("x_train", "y_train"))
+        payload = "".join(self.arrays[name].fingerprint for name in names) + f"|{self.n_classes}|{self.image_shape}"
+        x_train = self.arrays[names[0]]
+        return Ref(url=self.url, fingerprint=hashlib.sha256(payload.encode()).hexdigest()[:24], shape=x_train.shape, dtype=x_train.dtype)
+
+    @property
     def label_positions(self) -> int:
         """Entries of one training label: 1 for a class per row, T for a window of T tokens."""
         return math.prod(self.arrays["y_train"].shape[1:])
@@ -87,6 +98,28 @@ class ScoresRef(StageRef):
     gradient_rows: int
     self_influence: dict[str, Any]
     candidates: dict[str, Any] = {}  # FastIF's prefilter: k, index, scored rows, feature and index seconds (empty: full scores)
+
+
+class IndexRef(StageRef):
+    """The training index (`url`: its Zarr group, with `features` (n_train, dim) and `self_influence` (n_train,)),
+    how it is stored, and the work of the pass that wrote it. `compression` is "none" (exact) or "skipped", with the
+    reason in `skipped`: scoring then recomputes training gradients."""
+
+    bytes_per_row: int
+    compression: str
+    skipped: str | None = None
+    rows_per_chunk: int | None = None
+    n_chunks: int = 0
+    chunks_computed: int = 0
+    gradient_rows: int = 0
+    self_influence: dict[str, Any] = {}
+
+    @property
+    def usable(self) -> bool:
+        return self.compression != "skipped"
+
+    def array(self, name: str) -> str:
+        return f"{self.url}/{name}"
 
 
 class ValidationRef(StageRef):

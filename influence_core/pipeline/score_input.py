@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .layout import ScoreLayout, score_layout
-from .refs import DataRef, ModelRef, Ref, ScoresRef, StageRef
+from .refs import DataRef, IndexRef, ModelRef, Ref, ScoresRef, StageRef
 from .run_store import RunStore
 from .specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec
 from .stage import StageCall, StageInput
@@ -19,17 +19,22 @@ def output_bytes(data: DataRef, aggregate: AggregateSpec) -> int:
 
 @dataclass(frozen=True)
 class Member:
-    """One model of an ensemble: its trained model, its fitted curvature and its query factors."""
+    """One model of an ensemble: its trained model, its fitted curvature, its query factors and its training index
+    (None: scoring computes the training gradients)."""
 
     model: ModelRef
     preconditioner: StageRef
     factors: StageRef
+    index: IndexRef | None = None
 
     def inputs(self, index: int) -> dict[str, Ref]:
         """Its refs as stage-key inputs; member 0's under the names a single model's have always had."""
         suffix = f"[{index}]" if index else ""
         # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
-        return {f"model{suffix}": self.model, f"curvature{suffix}": self.preconditioner, f"factors{suffix}": self.factors}
+        refs: dict[str, Ref] = {f"model{suffix}": self.model, f"curvature{suffix}": self.preconditioner, f"factors{suffix}": self.factors}
+        if self.index is not None and self.index.usable:
+            refs[f"index{suffix}"] = self.index
+        return refs
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,17 @@ class ScoringInput(StageInput[ScoresRef]):
     candidates: CandidatesSpec | None = None
     others: tuple[Member, ...] = ()  # the ensemble's members 1.. (member 0 is model, preconditioner and factors)
 
+    index: IndexRef | None = None  # member 0's training index
+
     @property
     def members(self) -> tuple[Member, ...]:
         """Every member whose scores are averaged, member 0 first (a single model: one)."""
-        return (Member(self.model, self.preconditioner, self.factors), *self.others)
+        return (Member(self.model, self.preconditioner, self.factors, self.index), *self.others)
+
+    @property
+    def indexed(self) -> bool:
+        """Scores come from every member's stored training index: a GEMM per chunk, no training gradient."""
+        return not self.prefiltered and all(m.index is not None and m.index.usable for m in self.members)
 
     @property
     def prefiltered(self) -> bool:

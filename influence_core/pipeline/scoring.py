@@ -2,8 +2,10 @@
 
 The array is created first; each task reads its own rows of the training set from the store, captures their
 gradients once, contracts them with all query factors (and the self-influence plan), writes its shard and
-self-influences, then leaves a marker (`chunks.py`). A rerun submits only the chunks not done. The fingerprint
-attribute, which makes the output count as complete, is written after the last chunk.
+self-influences, then leaves a marker (`chunks.py`). With a training index (`index.py`) a task instead reads its
+rows of the index and multiplies them with the query factors (one GEMM, no training gradient), and self-influences
+are the index's own. A rerun submits only the chunks not done. The fingerprint attribute, which makes the output
+count as complete, is written after the last chunk.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 import zarr
 
 from . import candidate_scoring, storage
@@ -23,31 +26,64 @@ from ..errors import ConfigError
 from .chunks import ChunkJob, ChunkWorker, Progress, execute
 from .layout import DIMENSIONS
 from .models import load_state
-from .refs import DataRef, ScoresRef
+from .refs import DataRef, IndexRef, ScoresRef
 from ..self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
-from .score_input import ScoringInput, output_bytes
+from .score_input import Member, ScoringInput, output_bytes
 from .specs import AggregateSpec
 from ..work import Work
+from ..methods import InfluenceFunctionModel
 from .loading import load_influence_model, save_tensors
 from .stage import StageLocation
 from .run_store import RunStore
+
+
+def plan_url(job: ChunkJob, member: int) -> str:
+    """Member `member`'s self-influence plan, computed once by the driver (member 0's under the single model's name)."""
+    return job.path(f"self_influence_plan_{member}.pt" if member else "self_influence_plan.pt")
+
+
+def stored_plan(job: ChunkJob, member: int) -> SelfInfluencePlan | None:
+    """The plan the driver stored for member `member` (a ConfigError when it is absent or cut short)."""
+    return plan_from_state(load_state(plan_url(job, member), job.options, field="self_influence_plan", device=job.stage.compute.torch_device))
+
+
+def self_influence_plan(job: ChunkJob, member: int, make: Callable[[], InfluenceFunctionModel], aggregate: AggregateSpec, n_queries: int | None, work: Work) -> SelfInfluencePlan:
+    """Member `member`'s plan: read back when an interrupted run already stored it, else made here from the fitted
+    influence model `make()` returns (a low-rank sketch costs curvature products, added to `work`) and stored for
+    the workers."""
+    try:
+        return stored_plan(job, member)
+    except ConfigError:  # not stored yet, or cut short by a crash
+        pass
+    im = make()
+    made = im.self_influence_plan(aggregate.self_influence, aggregate.self_influence_rank, n_queries=n_queries)
+    work += im.work
+    save_tensors(plan_url(job, member), plan_state(made), job.options)
+    return made
 
 
 @dataclass(frozen=True)
 class ScoreJob(ChunkJob):
     """A chunk job that writes a shard of the full scores (and its self-influences)."""
 
-    def plan_url(self, member: int) -> str:
-        """Member `member`'s self-influence plan, computed once by the driver (member 0's under the single model's name)."""
-        return self.path(f"self_influence_plan_{member}.pt" if member else "self_influence_plan.pt")
-
     def self_influence_plan(self, member: int) -> SelfInfluencePlan | None:
-        return plan_from_state(load_state(self.plan_url(member), self.options, field="self_influence_plan", device=self.stage.compute.torch_device))
+        return stored_plan(self, member)
 
     def hold(self, plan: SelfInfluencePlan | None) -> tuple[zarr.Array, zarr.Array | None]:
         """The open scores array, and the self-influence one when the plan computes them."""
+        return self.outputs(plan is not None)
+
+    def outputs(self, with_self_influence: bool) -> tuple[zarr.Array, zarr.Array | None]:
+        """The open scores array, and the self-influence one when it is written."""
         group = storage.open_group(self.influence_url, self.options, mode="a")
-        return group["scores"], group["self_influence"] if plan is not None else None
+        return group["scores"], group["self_influence"] if with_self_influence else None
+
+    def self_influences(self, work: Work) -> tuple[bool, dict[str, Any]]:
+        """Before the chunks: each member's self-influence plan, made (and stored for the workers) once; whether
+        self-influences are written, and how, for the summary."""
+        plans = [_self_influence_plan(self, member, work) for member in range(len(self.stage.members))]
+        # the members share method and settings, so their plans share a form: the summary describes member 0's
+        return plans[0] is not None, {"mode": self.stage.aggregate.self_influence, **describe(plans[0])}
 
     def score(self, worker: ChunkWorker, index: int) -> None:
         lo, hi = self.stage.layout.bounds(index)
@@ -79,6 +115,75 @@ class ScoreJob(ChunkJob):
         return {i for i in range(grid[-1]) if all(meta.encode_chunk_key((*lead, i)) in present for lead in leading)}
 
 
+@dataclass(frozen=True)
+class IndexScoreJob(ScoreJob):
+    """A score job whose tasks read the training index instead of evaluating training gradients."""
+
+    def open(self) -> "IndexScoreWorker":
+        return IndexScoreWorker(self)
+
+    @property
+    def with_self_influence(self) -> bool:
+        """Self-influences are copied from the index when it has them (the index computed them unless they are off)."""
+        return all("self_influence" in _group(m.index, self.options) for m in self.stage.members)
+
+    def self_influences(self, work: Work) -> tuple[bool, dict[str, Any]]:
+        """Computed once with the index: copied, never recomputed (how, as the index recorded it)."""
+        index = self.stage.members[0].index
+        assert index is not None
+        return self.with_self_influence, {**index.self_influence, "from": "index_training"}
+
+    def score(self, worker: "IndexScoreWorker", index: int) -> None:  # type: ignore[override]
+        lo, hi = self.stage.layout.bounds(index)
+        scores, values = worker.rows(lo, hi)
+        scores_out, self_out = worker.held
+        scores_out[:, lo:hi] = scores.cpu().numpy().astype(np.float32)
+        if self_out is not None:
+            assert values is not None
+            self_out[lo:hi] = values.astype(np.float32)
+
+
+def _group(index: IndexRef | None, options: dict) -> zarr.Group:
+    assert index is not None
+    return storage.open_group(index.url, options, mode="r")
+
+
+class IndexScoreWorker:
+    """What a worker process keeps between a job's tasks: each member's query factors (flat, in the index's
+    coordinates) and open index arrays, and the open output arrays."""
+
+    def __init__(self, job: IndexScoreJob) -> None:
+        self.options, self.device = job.options, job.stage.compute.torch_device
+        self.members = [self._member(member) for member in job.stage.members]
+        self.held = job.outputs(job.with_self_influence)
+        self._work = Work()
+
+    def _member(self, member: Member) -> tuple[torch.Tensor, zarr.Array, zarr.Array | None]:
+        group = _group(member.index, self.options)
+        factors = torch.from_numpy(np.asarray(storage.open_array(member.factors.url, self.options)[:])).to(self.device)
+        return factors, group["features"], group["self_influence"] if "self_influence" in group else None
+
+    def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Scores (n_test, hi - lo) of training rows lo..hi and their self-influences: the members' means."""
+        scores, values = None, None
+        for factors, features, self_influence in self.members:
+            block = np.asarray(features[lo:hi])
+            self._work.index_rows += hi - lo
+            self._work.index_bytes += block.nbytes
+            self._work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
+            part = factors @ torch.from_numpy(block).to(device=self.device, dtype=factors.dtype).T
+            scores = part if scores is None else scores + part
+            if self_influence is not None:
+                more = np.asarray(self_influence[lo:hi], dtype=np.float64)
+                values = more if values is None else values + more
+        assert scores is not None
+        n = len(self.members)
+        return (scores / n if n > 1 else scores), (None if values is None else values / n)
+
+    def work(self) -> Work:
+        return self._work.copy()
+
+
 def space_warning(store: RunStore, data: DataRef, aggregate: AggregateSpec) -> str | None:
     """A warning when the output's disk has less free space than the scores need (None on S3 or when it fits)."""
     needed, free = output_bytes(data, aggregate), storage.free_bytes(store.output_url)
@@ -88,18 +193,10 @@ def space_warning(store: RunStore, data: DataRef, aggregate: AggregateSpec) -> s
 
 
 def _self_influence_plan(job: ScoreJob, member: int, work: Work) -> SelfInfluencePlan:
-    """Member `member`'s plan: read back when an interrupted run already stored it, else computed here (a low-rank
-    sketch costs curvature products, added to `work`) and stored for the workers."""
-    try:
-        return job.self_influence_plan(member)
-    except ConfigError:  # not stored yet, or cut short by a crash
-        pass
+    """Member `member`'s plan, from its fitted influence model (loaded only when the plan is not stored yet)."""
     stage, refs = job.stage, job.stage.members[member]
-    im = load_influence_model(stage.method, refs.model, stage.data, refs.preconditioner, job.options, stage.compute.torch_device)
-    made = im.self_influence_plan(stage.aggregate.self_influence, stage.aggregate.self_influence_rank, n_queries=stage.layout.n_test)
-    work += im.work
-    save_tensors(job.plan_url(member), plan_state(made), job.options)
-    return made
+    make = lambda: load_influence_model(stage.method, refs.model, stage.data, refs.preconditioner, job.options, stage.compute.torch_device)  # noqa: E731
+    return self_influence_plan(job, member, make, stage.aggregate, stage.layout.n_test, work)
 
 
 def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
@@ -121,15 +218,14 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
 
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
     work = Work()
-    plans = [_self_influence_plan(job, member, work) for member in range(len(job.stage.members))]  # each stored for the workers
-    self_plan = plans[0]  # the members share method and settings, so their plans share a form: the summary describes member 0's
-    group = _prepare_arrays(job, self_plan is not None)
+    with_self_influence, described = job.self_influences(work)
+    group = _prepare_arrays(job, with_self_influence)
     layout = job.stage.layout
     chunks = job.pending(list(range(layout.n_tasks)))
     if chunks:
         with client_factory() as client:
             work += execute(job, chunks, layout.n_tasks, client, on_progress)
-    if self_plan is not None:
+    if with_self_influence:
         group["self_influence"].attrs["fingerprint"] = job.key
     group["scores"].attrs["fingerprint"] = job.key
     return {
@@ -141,7 +237,7 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
         "chunks_computed": len(chunks),
         "gradient_rows": work.gradient_rows,
         "work": work.as_dict(),
-        "self_influence": {"mode": job.stage.aggregate.self_influence, **describe(self_plan)},
+        "self_influence": described,
     }
 
 
@@ -150,5 +246,5 @@ def run(stage: ScoringInput, client_factory: Callable[[], Any], on_progress: Pro
     `client_factory()` is a context manager yielding a Dask client or None."""
     if stage.prefiltered:
         return candidate_scoring.run(stage, client_factory, on_progress)
-    job = ScoreJob(stage)
+    job = IndexScoreJob(stage) if stage.indexed else ScoreJob(stage)
     return stage.call.run(lambda loc: _compute(job, client_factory, on_progress, loc))

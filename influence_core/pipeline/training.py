@@ -52,7 +52,7 @@ class TrainingInput(StageInput[ModelRef]):
             config["checkpoint_stat"] = checkpoint_stamp(self.spec.checkpoint, self.store.options)
         else:
             config["training"] = self.training.key_config()
-        return StageCall("fit_model", ModelRef, config, {"data": self.data}, self.store, self.threads)
+        return StageCall("fit_model", ModelRef, config, {"train": self.data.training}, self.store, self.threads)
 
 
 def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:

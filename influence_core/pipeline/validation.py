@@ -1,9 +1,11 @@
 """Stage 7 (optional): the run's own linear datamodeling score (LDS).
 
 The run's model is retrained on `validation.subsets` random subsets of the training set, one Dask task per subset,
-with the run's recipe (architecture, task, training spec and seed); each retrained model's query measurements are
-kept as one small file, so a stopped validation resumes with the subsets it has not finished. The LDS ranks, per
-query, the scores summed over each subset against those measurements (influence_core.lds).
+with the run's recipe (architecture, task, training spec and seed). Each retrained model is stored under a key of
+the training side alone (`retrain/{key}/{index}.pt`: training rows, recipe, subset draw), so runs with other queries
+reuse it and only measure their queries; each subset's query measurements are kept as one small file of the stage,
+so a stopped validation resumes with the subsets it has not finished. The LDS ranks, per query, the scores summed
+over each subset against those measurements (influence_core.lds).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from . import storage
 from .. import examples
 from ..errors import ConfigError
 from ..lds import linear_datamodeling_score
-from .models import build_model, train
+from .models import build_model, load_into, load_state, state_bytes, train
 from ..objective import Objective
 from .refs import DataRef, ModelRef, StageRef, ValidationRef
 from .specs import ComputeSpec, ModelSpec, TrainingSpec, ValidationSpec
 from .threads import torch_threads
 from .loading import open_data
-from .stage import StageCall, StageInput, StageLocation
+from .stage import StageCall, StageInput, StageLocation, stage_key
 from .run_store import RunStore
 
 Progress = Callable[[int, int], None]
@@ -58,6 +60,7 @@ class ValidationJob:
     data: DataRef
     options: dict[str, Any]
     url: str  # the stage's directory: subsets/{index}.json hold each retrained model's measurements
+    models_url: str  # the retrained models' directory, keyed on the training side alone: {index}.pt
     threads: int
     device: str = "cpu"
 
@@ -68,16 +71,34 @@ class ValidationJob:
     def subset_url(self, index: int) -> str:
         return storage.join(self.url, "subsets", f"{index}.json")
 
+    def model_url(self, index: int) -> str:
+        return storage.join(self.models_url, f"{index}.pt")
 
-def measure_subset(job: ValidationJob, index: int) -> list[float]:
-    """One Dask task: train the run's model on subset `index` and measure the first queries (the task's measurement)."""
-    arrays = open_data(job.data, job.options)
-    mask = subset_mask(job.spec, index, job.data.n_train)
-    x, y = examples.map_inputs(arrays["x_train"], lambda a: np.asarray(a[...])[mask]), np.asarray(arrays["y_train"][...])[mask]
-    with torch_threads(job.threads), torch.random.fork_rng():
-        torch.manual_seed(job.training.seed)
+
+def retrained_model(job: ValidationJob, index: int, arrays: dict[str, Any]) -> tuple[torch.nn.Module, bool]:
+    """The run's model retrained on subset `index`: read back when a run over the same training side stored it, else
+    trained here and stored. Returns it and whether it was trained now."""
+    with torch.random.fork_rng():
+        torch.manual_seed(job.training.seed)  # initialised from the seed, as the run's model was
         model = build_model(job.model, job.data, job.device)
+        try:
+            return load_into(model, load_state(job.model_url(index), job.options, field="validation", device=job.device)), False
+        except ConfigError:  # not stored yet, or cut short by a crash
+            pass
+        mask = subset_mask(job.spec, index, job.data.n_train)
+        x, y = examples.map_inputs(arrays["x_train"], lambda a: np.asarray(a[...])[mask]), np.asarray(arrays["y_train"][...])[mask]
         train(model, job.model, job.training, x, y)
+    storage.write_bytes(job.model_url(index), state_bytes(model), job.options)
+    return model, True
+
+
+def measure_subset(job: ValidationJob, index: int) -> tuple[list[float], bool]:
+    """One Dask task: the run's model retrained on subset `index` (or its stored copy), measured on the first queries
+    (the task's measurement). Returns the measurements and whether the model was trained now."""
+    arrays = open_data(job.data, job.options)
+    with torch_threads(job.threads):
+        model, trained = retrained_model(job, index, arrays)
+        model.eval()
         task = job.model.make_task()
         objective = Objective(model, task)
         xq, yq = objective.to_model(examples.read(arrays["x_test"], slice(0, job.queries)), examples.read(arrays["y_test"], slice(0, job.queries)))
@@ -85,7 +106,7 @@ def measure_subset(job: ValidationJob, index: int) -> list[float]:
             measured = task.measurement(task.output(examples.call(model, xq)), yq)
     values = [float(v) for v in measured.reshape(job.queries, -1).sum(dim=1)]
     storage.write_json(job.subset_url(index), {"index": index, "measured": values}, job.options)
-    return values
+    return values, trained
 
 
 def _stored(job: ValidationJob, index: int) -> list[float] | None:
@@ -97,27 +118,30 @@ def _stored(job: ValidationJob, index: int) -> list[float] | None:
     return values if isinstance(values, list) and len(values) == job.queries else None
 
 
-def _measure(job: ValidationJob, pending: list[int], client: Any, on_progress: Progress | None) -> Iterator[tuple[int, list[float]]]:
-    """Retrain the pending subsets, on the cluster or here, yielding (index, measurements) as each finishes."""
+def _measure(job: ValidationJob, pending: list[int], client: Any, on_progress: Progress | None) -> Iterator[tuple[int, tuple[list[float], bool]]]:
+    """Measure the pending subsets (retraining those not stored), on the cluster or here, yielding (index,
+    (measurements, trained now)) as each finishes."""
     done = job.spec.subsets - len(pending)
     if client is None:
-        results: Iterator[tuple[int, list[float]]] = ((i, measure_subset(job, i)) for i in pending)
+        results: Iterator[tuple[int, tuple[list[float], bool]]] = ((i, measure_subset(job, i)) for i in pending)
     else:
         futures = {client.submit(measure_subset, job, i, pure=False, retries=2): i for i in pending}
         results = ((futures[f], f.result()) for f in as_completed(futures))
-    for index, values in results:
+    for index, outcome in results:
         done += 1
         if on_progress:
             on_progress(done, job.spec.subsets)
-        yield index, values
+        yield index, outcome
 
 
 def _validate(job: ValidationJob, scores: StageRef, store: RunStore, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
     measured = {i: values for i in range(job.spec.subsets) if (values := _stored(job, i)) is not None}
     pending = [i for i in range(job.spec.subsets) if i not in measured]
+    trained = 0
     if pending:
         with client_factory() as client:
-            measured.update(_measure(job, pending, client, on_progress))
+            for index, (values, now) in _measure(job, pending, client, on_progress):
+                measured[index], trained = values, trained + now
     masks = np.stack([subset_mask(job.spec, i, job.data.n_train) for i in range(job.spec.subsets)])
     table = np.array([measured[i] for i in range(job.spec.subsets)])
     score_rows = np.asarray(storage.open_array(scores.url, store.options)[: job.queries], dtype=np.float64)
@@ -128,7 +152,7 @@ def _validate(job: ValidationJob, scores: StageRef, store: RunStore, client_fact
     return {
         "url": url, "fingerprint": loc.key, "shape": (job.queries,), "dtype": "float64", **result,
         "subsets": job.spec.subsets, "subsets_computed": len(pending), "fraction": job.spec.fraction, "queries": job.queries,
-        "work": {"trainings": len(pending), "training_rows": len(pending) * int(masks[0].sum()) * job.training.epochs},
+        "work": {"trainings": trained, "training_rows": trained * int(masks[0].sum()) * job.training.epochs, "measured_subsets": len(pending)},
     }
 
 
@@ -154,9 +178,17 @@ class ValidationInput(StageInput[ValidationRef]):
         config = {"validate": self.spec.model_dump(mode="json"), "model": self.model_spec.model_dump(mode="json"), "training": self.training.key_config()}
         return StageCall("validate", ValidationRef, config, {"data": self.data, "model": self.model, "scores": self.scores}, self.store, self.compute.torch_threads)
 
+    @property
+    def models_url(self) -> str:
+        """Where the retrained models live: keyed on the training side, the recipe and the subsets' draw alone (never
+        the queries or the scores), so every run over the same training rows shares them."""
+        draw = self.spec.model_dump(mode="json", include={"fraction", "seed"})
+        config = {"model": self.model_spec.model_dump(mode="json"), "training": self.training.key_config(), "subsets": draw, "threads": self.compute.torch_threads}
+        return storage.join(self.store.cache_url, "retrain", stage_key("retrain", config, {"train": self.data.training}))
+
 
 def run(stage: ValidationInput, client_factory: Callable[[], Any], on_progress: Progress | None = None) -> ValidationRef:
     """The run's LDS over `spec.subsets` retrainings; `client_factory()` is a context manager yielding a Dask client or None."""
     check_validate(stage.spec, stage.model_spec)
-    job = ValidationJob(stage.spec, stage.model_spec, stage.training, stage.data, stage.store.options, stage.call.location.url, stage.compute.torch_threads, stage.compute.torch_device)
+    job = ValidationJob(stage.spec, stage.model_spec, stage.training, stage.data, stage.store.options, stage.call.location.url, stage.models_url, stage.compute.torch_threads, stage.compute.torch_device)
     return stage.call.run(lambda loc: _validate(job, stage.scores, stage.store, client_factory, on_progress, loc))

@@ -11,7 +11,7 @@ from flows.influence_run import influence_run
 from tests.helpers import read_outputs, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
-STAGES = ["prepare_data", "fit_model", "fit_preconditioner", "compute_test_factors", "compute_influences", "aggregate"]
+STAGES = ["prepare_data", "fit_model", "fit_preconditioner", "index_training", "compute_test_factors", "compute_influences", "aggregate"]
 
 
 def outcomes(summary):

@@ -17,7 +17,7 @@ from influence_core.pipeline.verify import verify_run
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
-MEMBER_STAGES = ("fit_model", "fit_preconditioner", "compute_test_factors")
+MEMBER_STAGES = ("fit_model", "fit_preconditioner", "index_training", "compute_test_factors")
 N_TRAIN = 240
 
 
@@ -69,7 +69,8 @@ def test_each_member_is_its_own_stage_and_its_work_is_counted(singles, pair):
             assert stages[name]["fingerprint"] == single["stages"][stage]["fingerprint"], name
     work = stages["compute_influences"]["work"]
     assert work == {key: sum(single["stages"]["compute_influences"]["work"][key] for single, _ in singles) for key in work}
-    assert stages["compute_influences"]["gradient_rows"] == 2 * N_TRAIN
+    assert stages["compute_influences"]["gradient_rows"] == 0 and work["index_rows"] == 2 * N_TRAIN  # each member's index read once
+    assert [stages[name]["gradient_rows"] for name in ("index_training", "index_training[1]")] == [N_TRAIN, N_TRAIN]
     assert all(check.ok for check in verify_run(params.store())), verify_run(params.store())
 
 
@@ -91,7 +92,8 @@ def test_growing_the_ensemble_trains_only_the_new_member(pair, dask_address):
     outcomes = {name: stage["outcome"] for name, stage in summary["stages"].items()}
     assert {outcomes[name] for name in member_names(0) + member_names(1)} <= {"cached", "found complete"}
     assert {outcomes[name] for name in member_names(2)} == {"computed"}
-    assert outcomes["compute_influences"] == "computed" and summary["stages"]["compute_influences"]["gradient_rows"] == 3 * N_TRAIN
+    assert outcomes["compute_influences"] == "computed" and summary["stages"]["compute_influences"]["work"]["index_rows"] == 3 * N_TRAIN
+    assert summary["stages"]["index_training[2]"]["gradient_rows"] == N_TRAIN and summary["stages"]["compute_influences"]["gradient_rows"] == 0
     store = grown.store()
     group, arrays = read_outputs(store)
     refs = stored_refs(store, group.attrs)

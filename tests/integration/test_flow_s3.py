@@ -83,7 +83,7 @@ def test_attrs_carry_config_without_secrets(s3_run):
     params, _, _, group, _ = s3_run
     attrs = dict(group.attrs)
     assert attrs["config"]["storage"]["endpoint_url"] == params.storage.endpoint_url
-    assert set(attrs["fingerprints"]) == {"prepare_data", "fit_model", "fit_preconditioner", "compute_test_factors", "compute_influences", "aggregate"}
+    assert set(attrs["fingerprints"]) == {"prepare_data", "fit_model", "fit_preconditioner", "index_training", "compute_test_factors", "compute_influences", "aggregate"}
     assert "torch" in attrs["versions"] and "zarr" in attrs["versions"]
     assert "testing" not in str(attrs)  # the (dummy) AWS credentials of the environment
 

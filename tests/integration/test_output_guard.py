@@ -26,7 +26,7 @@ from tests.helpers import assert_same_outputs, read_outputs, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ["prepare_data", "fit_model", "fit_preconditioner", "compute_test_factors", "compute_influences", "aggregate"]
+STAGES = ["prepare_data", "fit_model", "fit_preconditioner", "index_training", "compute_test_factors", "compute_influences", "aggregate"]
 runner = CliRunner()
 
 

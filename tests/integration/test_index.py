@@ -1,0 +1,103 @@
+"""Index once, query many: the training index gives today's scores without a training gradient, and a run with new
+queries reuses every training-side stage (model, curvature, index, validation's retrainings)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+from flows.influence_run import influence_run
+from influence_core.pipeline import index, scoring, storage
+from influence_core.pipeline.cluster import dask_client
+from influence_core.pipeline.score_input import ScoringInput
+from tests.helpers import read_outputs, small_params
+from tests.integration.test_engine import upstream
+
+METHODS = {
+    "direct": {"name": "direct", "regularization": 1e-3},
+    "cg": {"name": "cg", "regularization": 1e-2, "rtol": 1e-8},
+    "kfac": {"name": "kfac", "regularization": 1e-2},
+    "ekfac": {"name": "ekfac", "regularization": 1e-2},
+    "ekfac+logra": {"name": "ekfac", "regularization": 1e-2, "projection": {"kind": "logra", "dim": 16}},
+    "trak": {"name": "direct", "regularization": 1e-2, "projection": {"kind": "gaussian", "dim": 32, "block_mb": 0.01}},
+    "arnoldi": {"name": "arnoldi", "regularization": 1e-2, "rank": 20},
+}
+
+
+def _scores(params, with_index: bool):
+    """The engine's scores and self-influences of `params`, from the training index or from training gradients."""
+    store, data, model, curvature, factors = upstream(params)
+    factory = lambda: dask_client(params.compute, False)  # noqa: E731
+    train_index = index.run(index.IndexInput(params.method, params.aggregate, model, data, curvature, store, params.compute), factory) if with_index else None
+    ref = scoring.run(ScoringInput(params.compute, params.method, params.aggregate, model, data, curvature, factors, store, index=train_index), factory)
+    _, arrays = read_outputs(store)
+    return ref, train_index, arrays
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_index_scores_equal_the_gradient_path(tmp_path, method):
+    """Scores and self-influences from the index equal those contracted from training gradients (rtol 1e-5), and
+    scoring over the index evaluates no training gradient; the index pass evaluates each training row's once."""
+    overrides = {"method": METHODS[method], "aggregate": {"top_k": 4, "report_queries": 3, "self_influence": "exact" if method != "cg" else "lowrank"}}
+    ref, _, expected = _scores(small_params(str(tmp_path / "gradients"), **overrides), with_index=False)
+    got, train_index, actual = _scores(small_params(str(tmp_path / "index"), **overrides), with_index=True)
+    assert ref.gradient_rows == 240 and got.gradient_rows == 0
+    assert train_index is not None and train_index.compression == "none" and train_index.gradient_rows == 240
+    assert got.work["index_rows"] == 240
+    for name in ("scores", "self_influence"):
+        scale = np.abs(expected[name]).max()
+        np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+
+def test_an_index_over_budget_is_skipped_with_the_reason(tmp_path):
+    """An index larger than compute.index_budget_gb is not written: the stage says so, and scoring takes the gradient
+    path (its scores are the ones without an index)."""
+    params = small_params(str(tmp_path / "run"), compute={"cluster": "sequential", "train_chunk_rows": 64, "index_budget_gb": 1e-6})
+    ref, train_index, _ = _scores(params, with_index=True)
+    assert train_index is not None and not train_index.usable and "exceeds compute.index_budget_gb=1e-06" in (train_index.skipped or "")
+    assert ref.gradient_rows == 240
+
+
+def _digits_npz(path, queries: slice) -> str:
+    """Digits as an npz: the same 300 training rows in every file, the queries taken from `queries` of the rest."""
+    x, y = load_digits(return_X_y=True)
+    np.savez(path, x_train=x[:300].astype(np.float32), y_train=y[:300], x_test=x[300:][queries].astype(np.float32), y_test=y[300:][queries])
+    return str(path)
+
+
+def _run(tmp_path, name: str, queries: slice, cache: str):
+    params = small_params(
+        str(tmp_path / name), dataset={"source": "npz", "path": _digits_npz(tmp_path / f"{name}.npz", queries), "chunk_rows": 64},
+        method={"name": "ekfac", "regularization": 1e-2}, validation={"subsets": 4, "queries": 5},
+        compute={"cluster": "local", "n_workers": 2, "train_chunk_rows": 64}, storage={"cache_url": cache},
+    )
+    influence_run(**params.sections())
+    return json.loads((tmp_path / name / "summary.json").read_text()), read_outputs(params.store())[1]
+
+
+def test_new_queries_reuse_the_training_side(tmp_path, prefect_api):
+    """Run B asks 15 new queries of run A's training rows (a shared stage cache): fit_model, fit_preconditioner,
+    index_training and validation's retrainings are reused, B evaluates gradients of its 15 queries only, and its
+    outputs are bit-identical to a fresh run of B's parameters."""
+    cache = str(tmp_path / "cache")
+    first, _ = _run(tmp_path, "a", slice(0, 10), cache)
+    again, reused = _run(tmp_path, "b", slice(10, 25), cache)
+    fresh, expected = _run(tmp_path, "fresh", slice(10, 25), str(tmp_path / "fresh-cache"))
+    stages = again["stages"]
+    for name in ("fit_model", "fit_preconditioner", "index_training"):
+        assert first["stages"][name]["outcome"] == "computed"
+        assert stages[name]["outcome"] in ("cached", "found complete"), name
+        assert stages[name]["fingerprint"] == first["stages"][name]["fingerprint"], name
+    assert stages["compute_test_factors"]["outcome"] == "computed" and stages["compute_test_factors"]["work"]["gradient_rows"] == 15
+    assert stages["compute_influences"]["gradient_rows"] == 0 and stages["compute_influences"]["work"]["index_rows"] == 300
+    assert first["stages"]["validate"]["work"]["trainings"] == 4 and stages["validate"]["work"]["trainings"] == 0
+    assert sum(stage.get("work", {}).get("gradient_rows", 0) for stage in stages.values() if stage["outcome"] == "computed") == 15
+    assert fresh["stages"]["index_training"]["outcome"] == "computed"
+    for name, values in expected.items():
+        np.testing.assert_array_equal(reused[name], values, err_msg=name)
+    assert again["validation"]["lds_per_query"] == fresh["validation"]["lds_per_query"]
+    for name in ("fit_model", "fit_preconditioner"):  # the stored model and curvature, byte for byte
+        assert storage.read_bytes(stages[name]["url"], {}) == storage.read_bytes(fresh["stages"][name]["url"], {}), name
