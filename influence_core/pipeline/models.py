@@ -63,9 +63,17 @@ def check_model_fits(model: nn.Module, spec: ModelSpec, arrays: dict[str, Any]) 
     try:
         Objective(model, spec.make_task()).check_outputs(examples.read(x, slice(0, 64)), examples.read(y))
     except ConfigError as exc:
-        if spec.factory is None:
-            raise
-        raise ConfigError("model.options", f"the model of {spec.factory} does not fit the {spec.task_name} task: {exc.problem}", exc.fix) from None
+        raise _setting_to_change(exc, spec) from None
+
+
+def _setting_to_change(exc: ConfigError, spec: ModelSpec) -> ConfigError:
+    """A refusal of the probe batch, named by the setting that fixes it: model.task_class for the task's own values,
+    model.options for a factory's model, else as the library raised it."""
+    if exc.field == "task" and spec.task_class is not None:
+        return ConfigError("model.task_class", f"{spec.task_class}: {exc.problem}", exc.fix)
+    if spec.factory is None:
+        return exc
+    return ConfigError("model.options", f"the model of {spec.factory} does not fit the {spec.task_name} task: {exc.problem}", exc.fix)
 
 
 SHUFFLE_BLOCK_ROWS = 65536  # the training set is read block by block: memory stays flat as it grows

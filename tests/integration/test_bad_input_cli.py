@@ -234,8 +234,10 @@ RUNTIME_CASES = [
     Case("dotted path that does not import", set_in("dataset", {"source": "torch", "path": "no_such_package_4d1f.data:make"}), "dataset.path", ("cannot load", "No module named"), ["prepare_data"]),
     Case("top_k above n_train", set_in("aggregate.top_k", 500), "aggregate.top_k", ("240 training examples", "at most 240"), ["prepare_data"]),
     Case("unreachable scheduler", lambda c, p: set_in("compute", {"cluster": "address", "address": f"tcp://127.0.0.1:{closed_port()}"})(c, p), "compute.address", ("no Dask scheduler answers", "Connection refused"), []),
-    # issue 35: an integer null ran to the end (read as -2**63); a float null was refused at its row after the hold-out
-    # split. The file's row is named: row 30 of the file is row 24 of the training split, row 54 row 9 of the queries
+    # issue 35: each ran to the end with wrong scores before it was refused (row 30 of the file is row 24 of the
+    # training split, row 54 row 9 of the held-out queries: the file's row is named)
+    Case("task whose loss is the batch's mean", set_in("model.task_class", "tests.plugin_tasks:BatchMeanLoss"), "model.task_class",
+         ("tests.plugin_tasks:BatchMeanLoss", "loss returned shape ()", "not one value per example", "reduction='none'"), ["prepare_data", "fit_model"]),
     Case("null in an integer list column of Parquet", parquet_with_a_null(np.random.default_rng(0).integers(0, 16, (120, 64)), 30), "dataset.path",
          ("column 'x' of data.parquet", "missing value (null) in row 30"), ["prepare_data"]),
     Case("null in a float list column of Parquet", parquet_with_a_null(np.random.default_rng(0).random((120, 64)), 54), "dataset.path",
