@@ -123,9 +123,10 @@ class Objective:
 
         return apply
 
-    def check_outputs(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def check_outputs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Fail early, naming the field, when the task cannot interpret the outputs against the labels `y` (pass them
-        all) or when the loss does not depend differentiably on the parameters."""
+        all) or when the loss does not depend differentiably on the parameters; returns the outputs of the probe
+        batch (the first 64 rows of `x`), detached."""
         xs, ys = self.to_model(examples.take(x, slice(0, 64)), y[:64])
         live = {name: p.detach().requires_grad_(True) for name, p in self.params.items()}
         out = self.outputs(live, xs)
@@ -141,7 +142,7 @@ class Objective:
                 "the loss is not differentiable in the model parameters (its gradient is cut or identically zero)",
                 "remove detach()/argmax/round from the forward pass and the loss",
             )
-
+        return out.detach()
 
     def _check_per_example(self, out: torch.Tensor, y: torch.Tensor) -> None:
         """The task's loss and measurement give one value per example of the batch (a batch's scalar would scale the

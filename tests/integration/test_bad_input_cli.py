@@ -142,6 +142,13 @@ def parquet_with_a_null(values: np.ndarray, row: int) -> Callable[[dict[str, Any
     return change
 
 
+def token_labels_without_task(config: dict[str, Any], tmp_path: Path) -> None:
+    """GPT-2 on token ids x with labels y = x, model.task left at auto: (B, T, V) outputs over (B, T) integer labels."""
+    ids = np.random.default_rng(0).integers(0, 64, (60, 8))
+    npz_dataset(config, tmp_path, x_train=ids[:48], y_train=ids[:48], x_test=ids[48:], y_test=ids[48:])
+    config["model"] = {"factory": "tests.plugin_models:gpt2_lm", "options": {"n_layer": 1, "n_embd": 16, "vocab_size": 64, "n_positions": 8}}
+
+
 def checkpoint_of_other_architecture(config: dict[str, Any], tmp_path: Path) -> None:
     torch.save(nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).state_dict(), tmp_path / "other.pt")
     config["model"]["checkpoint"] = str(tmp_path / "other.pt")
@@ -236,6 +243,7 @@ RUNTIME_CASES = [
     Case("unreachable scheduler", lambda c, p: set_in("compute", {"cluster": "address", "address": f"tcp://127.0.0.1:{closed_port()}"})(c, p), "compute.address", ("no Dask scheduler answers", "Connection refused"), []),
     # issue 35: each ran to the end with wrong scores before it was refused (row 30 of the file is row 24 of the
     # training split, row 54 row 9 of the held-out queries: the file's row is named)
+    Case("language model without model.task", token_labels_without_task, "model.task", ("auto cannot tell", "(48, 8, 64)", "(48, 8)", "model.task: language_modelling"), ["prepare_data", "fit_model"]),
     Case("task whose loss is the batch's mean", set_in("model.task_class", "tests.plugin_tasks:BatchMeanLoss"), "model.task_class",
          ("tests.plugin_tasks:BatchMeanLoss", "loss returned shape ()", "not one value per example", "reduction='none'"), ["prepare_data", "fit_model"]),
     Case("null in an integer list column of Parquet", parquet_with_a_null(np.random.default_rng(0).integers(0, 16, (120, 64)), 30), "dataset.path",
