@@ -132,6 +132,7 @@ def execute(params: RunParameters) -> None:
         from influence_core.pipeline.report import lds_line
 
         console.print(lds_line(summary["validation"]))
+    console.print(f"Task:                  {summary['task']}")
     console.print(f"Scores and aggregates: {summary['influence']}")
     console.print(f"Report:                {summary['report']}")
     console.print(f"Summary:               {params.store().url('summary.json')}")

@@ -47,6 +47,15 @@ class RunParameters(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _task_resolved(self) -> "RunParameters":
+        """`model.task: auto` over labels that are an input's own token ids (dataset.target names an input field) is
+        language modelling: next-token prediction, never a classifier of the current token. Resolved here, so every
+        stage, key and summary sees the task that runs."""
+        if self.model.task == "auto" and self.dataset.labels_are_inputs:
+            self.model.task = "language_modelling"
+        return self
+
+    @model_validator(mode="after")
     def _validation_can_retrain(self) -> "RunParameters":
         check_validate(self.validation, self.model)
         return self

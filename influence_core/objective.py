@@ -123,9 +123,10 @@ class Objective:
 
         return apply
 
-    def check_outputs(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def check_outputs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Fail early, naming the field, when the task cannot interpret the outputs against the labels `y` (pass them
-        all) or when the loss does not depend differentiably on the parameters."""
+        all) or when the loss does not depend differentiably on the parameters; returns the outputs of the probe
+        batch (the first 64 rows of `x`), detached."""
         xs, ys = self.to_model(examples.take(x, slice(0, 64)), y[:64])
         live = {name: p.detach().requires_grad_(True) for name, p in self.params.items()}
         out = self.outputs(live, xs)
@@ -133,6 +134,7 @@ class Objective:
         value = self.task.mean_loss(out, ys)
         if value.ndim != 0:
             raise ConfigError("model.loss", f"the loss returned shape {tuple(value.shape)}", "return the mean loss, a scalar")
+        self._check_per_example(out.detach(), ys)
         grads = torch.autograd.grad(value, list(live.values()), allow_unused=True) if value.grad_fn is not None else [None]
         if all(g is None or not bool(g.any()) for g in grads):
             raise ConfigError(
@@ -140,6 +142,18 @@ class Objective:
                 "the loss is not differentiable in the model parameters (its gradient is cut or identically zero)",
                 "remove detach()/argmax/round from the forward pass and the loss",
             )
+        return out.detach()
+
+    def _check_per_example(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """The task's loss and measurement give one value per example of the batch (a batch's scalar would scale the
+        scores by 1/n and leave self-influence inconsistent with them); refused naming the `task` otherwise."""
+        n = len(out)
+        for name, values in (("loss", self.task.loss(out, y)), ("measurement", self.task.measurement(out, y))):
+            if tuple(values.shape) != (n,):
+                raise ConfigError(
+                    "task", f"its {name} returned shape {tuple(values.shape)} for a batch of {n} examples, not one value per example ({n},)",
+                    f"return the per-example {name}s of the batch, shape (batch,), e.g. F.cross_entropy(outputs, targets, reduction='none') (Task.mean_loss averages them)",
+                )
 
 
 def untraceable_model() -> ConfigError:

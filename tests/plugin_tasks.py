@@ -19,5 +19,12 @@ class WeightedClassification(Classification):
         return super().loss(outputs, targets) * self.weights.to(outputs)[targets]
 
 
+class BatchMeanLoss(Classification):
+    """A mistake issue 35 met: the loss of the whole batch (one scalar), not one value per example."""
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().loss(outputs, targets).mean()
+
+
 def not_a_task() -> object:
     return object()

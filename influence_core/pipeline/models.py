@@ -61,11 +61,32 @@ def check_model_fits(model: nn.Module, spec: ModelSpec, arrays: dict[str, Any]) 
         check_tokens(spec, arrays["x_train"])  # the queries' ids are checked by every run (check_queries): this stage is reused across query sets
     x, y = arrays["x_train"], arrays["y_train"]
     try:
-        Objective(model, spec.make_task()).check_outputs(examples.read(x, slice(0, 64)), examples.read(y))
+        outputs = Objective(model, spec.make_task()).check_outputs(examples.read(x, slice(0, 64)), examples.read(y))
     except ConfigError as exc:
-        if spec.factory is None:
-            raise
-        raise ConfigError("model.options", f"the model of {spec.factory} does not fit the {spec.task_name} task: {exc.problem}", exc.fix) from None
+        raise _setting_to_change(exc, spec) from None
+    if spec.task == "auto" and spec.task_class is None:
+        check_auto_unambiguous(outputs, examples.read(y, slice(0, len(outputs))))
+
+
+def check_auto_unambiguous(outputs: torch.Tensor, labels: torch.Tensor) -> None:
+    """`model.task: auto` reads (batch, positions, vocabulary) outputs for integer (batch, positions) labels as a
+    classification of each position, though they are as likely a language model's next-token logits: refused."""
+    if outputs.ndim == 3 and labels.ndim == 2 and not labels.is_floating_point():
+        raise ConfigError(
+            "model.task", f"auto cannot tell whether outputs of shape {tuple(outputs.shape)} for integer labels of shape {tuple(labels.shape)} "
+            "classify each position or predict the next token",
+            "set model.task: language_modelling (the labels are the token ids, each predicted from the tokens before it), or model.task: classification (one class per position)",
+        )
+
+
+def _setting_to_change(exc: ConfigError, spec: ModelSpec) -> ConfigError:
+    """A refusal of the probe batch, named by the setting that fixes it: model.task_class for the task's own values,
+    model.options for a factory's model, else as the library raised it."""
+    if exc.field == "task" and spec.task_class is not None:
+        return ConfigError("model.task_class", f"{spec.task_class}: {exc.problem}", exc.fix)
+    if spec.factory is None:
+        return exc
+    return ConfigError("model.options", f"the model of {spec.factory} does not fit the {spec.task_name} task: {exc.problem}", exc.fix)
 
 
 def check_queries(spec: ModelSpec, arrays: dict[str, Any]) -> None:

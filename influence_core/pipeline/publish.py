@@ -112,6 +112,7 @@ def publish(
         "report": store.url("report.png"),
         "n_train": data.n_train,
         "n_test": data.n_test,
+        "task": spec.attributed_task,  # resolved: never auto
         "parameters": refs["fit_preconditioner"].parameters,  # which of the model's parameters the scores are over
         **({} if validated is None else {"validation": validated}),
         "stages": stages,

@@ -222,6 +222,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         f"- scores and aggregates: `{summary['influence']}`",
         f"- report: `{summary['report']}`",
         f"- {summary['n_test']} queries x {summary['n_train']} training examples",
+        f"- task: {summary['task']}",
         *[f"- parameters {kind}: {group['tensors']} tensors, {group['elements']:,} elements" for kind, group in summary.get("parameters", {}).items()],
         *([f"- {lds_line(summary['validation'])}"] if "validation" in summary else []),
         "",

@@ -76,6 +76,11 @@ class DatasetBase(Spec):
         """The settings as the prepare_data key and the run fingerprint hash them (see RETIRED_DATASET_DEFAULTS)."""
         return {**RETIRED_DATASET_DEFAULTS, **self.model_dump(mode="json")}
 
+    @property
+    def labels_are_inputs(self) -> bool:
+        """Whether the labels are an input's own values (token ids to predict one ahead), not labels of their own."""
+        return False
+
 
 class HeldOutDataset(DatasetBase):
     test_fraction: float = Field(0.2, gt=0, lt=1, title="Query fraction", description="Share of the data held out as queries when the source has no split.")
@@ -120,6 +125,11 @@ class PathDataset(HeldOutDataset):
         if value is not None and (not value or len(set(value)) != len(value) or not all(re.fullmatch(r"\w+", name) for name in value)):
             raise ConfigError("dataset.inputs", f"{value} is not a list of distinct field names", "list each input field once, e.g. [input_ids, attention_mask], or leave it empty for one array x")
         return value
+
+    @property
+    def labels_are_inputs(self) -> bool:
+        """Whether `target` names an input field (input_ids: labels for language modelling)."""
+        return self.target in (self.inputs or ["x"])
 
     def key_config(self) -> dict[str, Any]:
         """As DatasetBase's, without the field names left at their defaults: existing configs keep their keys."""
@@ -201,6 +211,11 @@ class PythonDocsDataset(DatasetBase):
         description="Texts 'prompt|completion': each query's measurement is the completion's log-probability after the prompt. Empty: n_test held-out windows.",
     )
 
+    @property
+    def labels_are_inputs(self) -> bool:
+        """The windows' labels are their own byte ids."""
+        return True
+
     @field_validator("queries")
     @classmethod
     def _prompt_and_completion(cls, value: list[str]) -> list[str]:
@@ -272,7 +287,11 @@ class ModelSpec(Spec):
     factory: str | None = Field(None, title="Model factory", description="`package.module:callable` that returns your torch.nn.Module, called with `options`; replaces architecture, hidden, activation, channels and output_dim.")
     options: dict[str, Any] = Field({}, title="Factory options", description="Keyword arguments of the model factory.")
     loss: LossName = Field("cross_entropy", title="Loss", description="Training loss, also the loss whose influence is measured (cross_entropy: the classification task, mse: regression).")
-    task: Literal["auto", "classification", "regression", "language_modelling"] = Field("auto", title="Task", description="What is attributed, a built-in task (influence_core.task); auto: the loss's task. Training uses the task's loss.")
+    task: Literal["auto", "classification", "regression", "language_modelling"] = Field(
+        "auto", title="Task",
+        description="What is attributed, a built-in task (influence_core.task); auto: language_modelling when dataset.target names an input field "
+        "(python_docs: always), else the loss's task (a classification's (batch, positions, vocabulary) outputs are refused as ambiguous). Training uses the task's loss.",
+    )
     measurement: Literal["loss", "margin"] = Field("loss", title="Query measurement", description="What the queries' scores are the gradient of: the loss, or (classification) minus the margin of the true class.")
     task_class: str | None = Field(
         None, title="Task class",
@@ -312,7 +331,14 @@ class ModelSpec(Spec):
 
     @property
     def task_name(self) -> str:
+        """The built-in task in force: `task`, or for auto the loss's (RunParameters first resolves auto to
+        language_modelling where the labels are the inputs' ids)."""
         return LOSS_TASKS[self.loss] if self.task == "auto" else self.task
+
+    @property
+    def attributed_task(self) -> str:
+        """What the scores attribute, as summaries state it: the task class, else the built-in task, never `auto`."""
+        return self.task_class or self.task_name
 
     def make_task(self) -> Task:
         """The Task influence attributes, and training minimises: the task class's, or the built-in task's."""

@@ -26,19 +26,24 @@ def _require(module: str) -> Any:
 
 class ArrowColumn:
     """One column of a table as an array-like: `shape`, and rows (a slice or indices) read into numpy. Fixed-length
-    (nested) lists become trailing dimensions (token ids (n, T), images (n, C, H, W)); ragged lists are refused."""
+    (nested) lists become trailing dimensions (token ids (n, T), images (n, C, H, W)); ragged lists are refused, and
+    so is a row read with a missing value, named by its row in `where` (the file or split)."""
 
-    def __init__(self, column: Any, name: str) -> None:
+    def __init__(self, column: Any, name: str, where: str) -> None:
         pa = _require("pyarrow")
         self.column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        self.name, self.where = name, where
         self.shape = (len(self.column), *_inner_shape(self.column, name))
 
     def __getitem__(self, rows: Any) -> np.ndarray:
         if isinstance(rows, slice):
             start, stop, _ = rows.indices(len(self.column))
             part = self.column.slice(start, max(0, stop - start))
+            wanted = np.arange(start, start + len(part))
         else:
-            part = self.column.take(np.asarray(rows))
+            wanted = np.asarray(rows, dtype=np.int64)
+            part = self.column.take(wanted)
+        _refuse_nulls(part, wanted, self.name, self.where)
         return _numpy(part, self.shape[1:])
 
 
@@ -47,7 +52,7 @@ class ParquetColumn:
     (with the groups holding them), so a file larger than memory streams into Zarr. Shapes as ArrowColumn's."""
 
     def __init__(self, path: Path, name: str) -> None:
-        self.file, self.name = _require("pyarrow.parquet").ParquetFile(path, memory_map=True), name
+        self.file, self.name, self.file_name = _require("pyarrow.parquet").ParquetFile(path, memory_map=True), name, path.name
         groups = self.file.metadata.num_row_groups
         self.starts = np.cumsum([0] + [self.file.metadata.row_group(g).num_rows for g in range(groups)])
         inner = {_inner_shape(self._group(g), name) for g in range(groups)}  # one group in memory at a time
@@ -65,7 +70,9 @@ class ParquetColumn:
         groups = np.searchsorted(self.starts, wanted, side="right") - 1
         for g in np.unique(groups):
             mine = groups == g
-            out[mine] = _numpy(self._group(int(g)), self.shape[1:])[wanted[mine] - self.starts[g]]
+            part = self._group(int(g)).take(wanted[mine] - self.starts[g])
+            _refuse_nulls(part, wanted[mine], self.name, self.file_name)
+            out[mine] = _numpy(part, self.shape[1:])
         return out
 
     def _dtype(self) -> np.dtype:
@@ -78,6 +85,30 @@ def _numpy(part: Any, inner: tuple[int, ...]) -> np.ndarray:
     while _is_list(values.type):
         values = values.flatten()
     return values.to_numpy(zero_copy_only=False).reshape(len(part), *inner)
+
+
+def _null_rows(part: Any) -> np.ndarray:
+    """Positions of the rows of `part` with a missing value at any level of their lists (sorted; found from the null
+    counts, without a scan, when there is none): numpy would read a null integer as -9223372036854775808."""
+    pc = _require("pyarrow.compute")
+    rows, values, found = np.arange(len(part)), part, []
+    while True:
+        if values.null_count:
+            found.append(rows[np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))])
+        if not _is_list(values.type):
+            return np.unique(np.concatenate(found)) if found else rows[:0]
+        rows, values = rows[pc.list_parent_indices(values).to_numpy()], values.flatten()
+
+
+def _refuse_nulls(part: Any, rows: np.ndarray, name: str, where: str) -> None:
+    """Refuse a missing value in `part`, the rows `rows` of `where` (a file, or a split saved apart), naming the column
+    and the row of `where` that holds it: never a row counted after the hold-out split."""
+    bad = _null_rows(part)
+    if len(bad):
+        raise ConfigError(
+            "dataset.path", f"column {name!r} of {where} holds a missing value (null) in row {int(rows[bad[0]])}",
+            f"drop or fill the rows with missing {name} before the run: a null would be read as a number (NaN, or -9223372036854775808 for integers)",
+        )
 
 
 def _is_list(kind: Any) -> bool:
@@ -103,15 +134,15 @@ def _inner_shape(column: Any, name: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def table_arrays(table: Any, suffix: str = "") -> dict[str, ArrowColumn]:
-    """Every column of a pyarrow Table as an ArrowColumn, named column + suffix (`_train`, `_test` or none)."""
-    return {f"{name}{suffix}": ArrowColumn(table.column(name), name) for name in table.column_names}
+def table_arrays(table: Any, where: str, suffix: str = "") -> dict[str, ArrowColumn]:
+    """Every column of a pyarrow Table (read from `where`) as an ArrowColumn, named column + suffix (`_train`, `_test` or none)."""
+    return {f"{name}{suffix}": ArrowColumn(table.column(name), name, where) for name in table.column_names}
 
 
 def _file_columns(path: Path, suffix: str = "") -> dict[str, Any]:
     """The columns of a Parquet file (read by row group) or an Arrow/Feather file (memory-mapped), named + suffix."""
     if path.suffix != ".parquet":
-        return table_arrays(_read_table(path), suffix)
+        return table_arrays(_read_table(path), path.name, suffix)
     names = _require("pyarrow.parquet").ParquetFile(path).schema_arrow.names
     return {f"{name}{suffix}": ParquetColumn(path, name) for name in names}
 
@@ -146,8 +177,8 @@ def hf_disk_arrays(path: str) -> dict[str, ArrowColumn]:
         raise ConfigError("dataset.path", f"{path!r} is not a dataset saved with save_to_disk ({exc})", "give the directory written by Dataset.save_to_disk or DatasetDict.save_to_disk") from None
     if isinstance(loaded, datasets.DatasetDict):
         if set(SPLITS) <= loaded.keys():
-            return {name: column for split in SPLITS for name, column in table_arrays(loaded[split].with_format("arrow")[:], f"_{split}").items()}
+            return {name: column for split in SPLITS for name, column in table_arrays(loaded[split].with_format("arrow")[:], f"the {split} split", f"_{split}").items()}
         if "train" not in loaded:
             raise ConfigError("dataset.path", f"{path!r} holds the splits {sorted(loaded)}", "save a DatasetDict with train (and test) splits, or one Dataset")
         loaded = loaded["train"]
-    return table_arrays(loaded.with_format("arrow")[:])
+    return table_arrays(loaded.with_format("arrow")[:], "the dataset")

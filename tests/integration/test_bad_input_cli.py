@@ -126,6 +126,29 @@ def with_nan(name: str, row: int, value: float) -> Callable[[dict[str, Any], Pat
     return change
 
 
+def parquet_with_a_null(values: np.ndarray, row: int) -> Callable[[dict[str, Any], Path], None]:
+    """One Parquet file of len(values) rows (x: a list column, y: labels), split by the hold-out, missing one value of
+    x in the file's row `row`."""
+
+    def change(config: dict[str, Any], tmp_path: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        x = values.tolist()
+        x[row][3] = None
+        pq.write_table(pa.table({"x": x, "y": np.arange(len(values)) % 10}), tmp_path / "data.parquet")
+        config["dataset"] = {"source": "parquet", "path": str(tmp_path / "data.parquet"), "chunk_rows": 32}
+
+    return change
+
+
+def token_labels_without_task(config: dict[str, Any], tmp_path: Path) -> None:
+    """GPT-2 on token ids x with labels y = x, model.task left at auto: (B, T, V) outputs over (B, T) integer labels."""
+    ids = np.random.default_rng(0).integers(0, 64, (60, 8))
+    npz_dataset(config, tmp_path, x_train=ids[:48], y_train=ids[:48], x_test=ids[48:], y_test=ids[48:])
+    config["model"] = {"factory": "tests.plugin_models:gpt2_lm", "options": {"n_layer": 1, "n_embd": 16, "vocab_size": 64, "n_positions": 8}}
+
+
 def checkpoint_of_other_architecture(config: dict[str, Any], tmp_path: Path) -> None:
     torch.save(nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).state_dict(), tmp_path / "other.pt")
     config["model"]["checkpoint"] = str(tmp_path / "other.pt")
@@ -218,6 +241,15 @@ RUNTIME_CASES = [
     Case("dotted path that does not import", set_in("dataset", {"source": "torch", "path": "no_such_package_4d1f.data:make"}), "dataset.path", ("cannot load", "No module named"), ["prepare_data"]),
     Case("top_k above n_train", set_in("aggregate.top_k", 500), "aggregate.top_k", ("240 training examples", "at most 240"), ["prepare_data"]),
     Case("unreachable scheduler", lambda c, p: set_in("compute", {"cluster": "address", "address": f"tcp://127.0.0.1:{closed_port()}"})(c, p), "compute.address", ("no Dask scheduler answers", "Connection refused"), []),
+    # issue 35: each ran to the end with wrong scores before it was refused (row 30 of the file is row 24 of the
+    # training split, row 54 row 9 of the held-out queries: the file's row is named)
+    Case("language model without model.task", token_labels_without_task, "model.task", ("auto cannot tell", "(48, 8, 64)", "(48, 8)", "model.task: language_modelling"), ["prepare_data", "fit_model"]),
+    Case("task whose loss is the batch's mean", set_in("model.task_class", "tests.plugin_tasks:BatchMeanLoss"), "model.task_class",
+         ("tests.plugin_tasks:BatchMeanLoss", "loss returned shape ()", "not one value per example", "reduction='none'"), ["prepare_data", "fit_model"]),
+    Case("null in an integer list column of Parquet", parquet_with_a_null(np.random.default_rng(0).integers(0, 16, (120, 64)), 30), "dataset.path",
+         ("column 'x' of data.parquet", "missing value (null) in row 30"), ["prepare_data"]),
+    Case("null in a float list column of Parquet", parquet_with_a_null(np.random.default_rng(0).random((120, 64)), 54), "dataset.path",
+         ("column 'x' of data.parquet", "missing value (null) in row 54"), ["prepare_data"]),
 ]
 
 

@@ -169,6 +169,12 @@ def test_summary_records_the_commit(stored_run):
     assert summary["code_version"] == CODE_VERSION  # what stage keys hold stays beside it
 
 
+def test_summary_states_the_resolved_task(stored_run):
+    """Issue 35, item 1: model.task left at auto is recorded as the task that ran (the loss's), never as auto."""
+    summary = json.loads((stored_run / "summary.json").read_text())
+    assert summary["task"] == "classification" and summary["config"]["model"]["task"] == "auto"
+
+
 def test_summary_records_only_the_sources_fields(stored_run):
     """The digits run's recorded config holds the digits' own settings, no synthetic ones (n_classes, n_features,
     noise), in summary.json and in the group's attributes."""

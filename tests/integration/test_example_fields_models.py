@@ -9,7 +9,10 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
+from typer.testing import CliRunner
 
+from flows.cli import app
 from flows.influence_run import influence_run
 from influence_core import CgInfluence
 from influence_core.task import IGNORE_INDEX, LanguageModelling
@@ -97,6 +100,31 @@ def test_padded_gpt2_from_parquet_equals_the_library_and_ignores_padding(tmp_pat
     changed = ids.copy()
     changed[0, 0] = changed[0, 0] % 63 + 1
     assert not np.allclose(gpt2_run(tmp_path, "changed-token", changed, mask, str(tmp_path / "gpt2.pt")), scores, rtol=1e-3)
+
+
+def test_a_language_model_without_model_task_is_attributed_as_one(tmp_path):
+    """Issue 35, item 1: GPT-2 on an hf_disk dataset whose target names its input_ids, model.task left out (auto), is
+    language modelling: the CLI and summary.json state it, and the scores are the library's LanguageModelling scores
+    (next-token prediction, not a classifier of the current token)."""
+    ids, mask = padded_tokens(24, 8, 64, 3)
+    datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist()}).save_to_disk(str(tmp_path / "hf"))
+    config = {
+        "output_url": str(tmp_path / "out"),
+        "dataset": {"source": "hf_disk", "path": str(tmp_path / "hf"), "inputs": ["input_ids", "attention_mask"], "target": "input_ids", "n_test": 4, "chunk_rows": 8},
+        "model": {"factory": "tests.plugin_models:gpt2_fields", "options": {"n_layer": 1, "n_embd": 16, "n_positions": 8}},
+        "training": {"epochs": 1, "learning_rate": 1e-3},
+        "method": CG, "compute": {"cluster": "sequential", "train_chunk_rows": 8}, "aggregate": {"top_k": 3, "report_queries": 2},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(app, ["run", "--config", str(tmp_path / "run.yaml")])
+    assert result.exit_code == 0, result.output
+    params = small_params(**config)  # type: ignore[arg-type]
+    group, arrays = read_outputs(params.store())
+    model, data = stored_model_and_data(params.store(), group)
+    assert_scores_equal(arrays["scores"], library_scores(model, LanguageModelling(), data))
+    assert "Task:                  language_modelling" in result.output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["task"] == "language_modelling" and summary["config"]["model"]["task"] == "language_modelling"
 
 
 def fields_run(tmp_path, name: str, **sections):  # type: ignore[no-untyped-def]

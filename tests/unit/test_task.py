@@ -220,6 +220,32 @@ def test_vocabulary_in_dimension_one_is_refused(task):
         fisher_cotangents(task, out, labels, "sampled", ExampleNoise(0), 0, 1)
 
 
+class BatchLoss(LanguageModelling):
+    """The batch's mean loss (or, with `of="measurement"`, measurement) where the Task promises one per example."""
+
+    def __init__(self, of: str) -> None:
+        super().__init__()
+        self.of = of
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        per_example = super().loss(outputs, targets)
+        return per_example.mean() if self.of == "loss" else per_example
+
+    def measurement(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        per_example = super().measurement(outputs, targets)
+        return per_example.mean() if self.of == "measurement" else per_example
+
+
+@pytest.mark.parametrize("of", ["loss", "measurement"])
+def test_a_task_with_one_value_per_batch_is_refused(of):
+    """Issue 35, item 2: a loss or measurement of (,) for a batch, which would scale the scores by 1/n, is refused on
+    the probe batch before any work, naming the task."""
+    ids, labels = tokens(8, 0)
+    with pytest.raises(ConfigError, match=rf"^task: its {of} returned shape \(\) for a batch of 8 examples, not one value per example \(8,\)\. Fix: return the per-example {of}s"):
+        DirectInfluence(TinyCausalLM().double(), BatchLoss(of), 1e-3).fit((ids, labels))
+    DirectInfluence(TinyCausalLM().double(), LanguageModelling(), 1e-3).fit((ids, labels))  # one value per example: fitted
+
+
 def explicit_scores(model: nn.Module, train: tuple, queries: tuple, lam: float) -> torch.Tensor:
     """∇m(query)ᵀ (G + λI)⁻¹ ∇ℓ(train) with G = (1/n) Σ_i J_iᵀ ∇²ℓ_i J_i formed from explicit Jacobians and Hessians."""
     names = [n for n, p in model.named_parameters()]
