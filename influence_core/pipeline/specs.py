@@ -518,7 +518,7 @@ class ComputeSpec(Spec):
     train_chunk_rows: int | None = Field(None, ge=1, title="Train rows per task", description="Training examples scored per task and written as one shard (empty: from target_shard_mb, and at least 8 tasks).")
     target_shard_mb: float = Field(64.0, gt=0, title="Shard size (MB)", description="Target size of one shard of the scores array.")
     index_budget_gb: float = Field(
-        4.0, ge=0, title="Training index budget (GB)",
+        1.0, ge=0, title="Training index budget (GB)",
         description="Index once, query many: every training example's features (its gradient in the method's coordinates) are "
         "stored once (index_training) when n_train × dimension fits this many GB, and every later run scores its queries against "
         "them without a training gradient. 0: no index (each run recomputes the training gradients).",
