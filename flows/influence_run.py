@@ -76,7 +76,7 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     if params.validation.subsets:
         run(validate_run, ValidationInput(params.validation, params.model, params.training, data, first.model, scores, store, params.compute))
     interrupts.raise_if_interrupted()
-    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate)
+    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate, run.started)
 
 
 def _member(run: StageRunner, params: RunParameters, data: DataRef, store: RunStore, index: int) -> Member:
