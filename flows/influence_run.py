@@ -56,6 +56,7 @@ def influence_run(
     )
     store = params.store()
     fingerprint = params.run_fingerprint()
+    get_run_logger().info("Results go to %s", store.output_url)  # output_url resolved: {fingerprint} filled in
     check_run(store, params.compute, params.model, fingerprint, params.overwrite)  # refused at once, before waiting or computing
     with run_session(store, on_wait=get_run_logger().warning):
         return _stages(params, store, fingerprint)
