@@ -113,6 +113,7 @@ def execute(params: RunParameters) -> None:
 
     from influence_core.errors import ConfigError
     from influence_core.pipeline.publish import read_run
+    from influence_core.pipeline.report import stage_note
 
     from .influence_run import influence_run
     from .interrupts import Interrupted, interruptible
@@ -126,8 +127,9 @@ def execute(params: RunParameters) -> None:
         raise fail([f"run: {exc}; the processes it started are stopped and completed stages are kept. Fix: run the same command again to resume"], exc.exit_code) from None
     _, rows = read_run(params.store(), params.aggregate.report_queries)
     print_table(rows, f"Top training examples for the first {len(rows)} queries (score > 0: helpful)")
-    for name, stage in summary["stages"].items():
-        console.print(f"  {name:<24} {stage['outcome']:<15} {stage['seconds']:8.2f} s")
+    for name, stage in summary["stages"].items():  # what each stage cost this run; a cached one notes its first cost
+        console.print(f"  {name:<24} {stage['outcome']:<15} {stage['wall_seconds']:8.2f} s   {stage_note(stage)}".rstrip(), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"  {'whole run':<24} {'wall time':<15} {summary['wall_seconds']:8.2f} s", markup=False, highlight=False, soft_wrap=True)
     if "validation" in summary:
         from influence_core.pipeline.report import lds_line
 

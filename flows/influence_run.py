@@ -56,6 +56,7 @@ def influence_run(
     )
     store = params.store()
     fingerprint = params.run_fingerprint()
+    get_run_logger().info("Results go to %s", store.output_url)  # output_url resolved: {fingerprint} filled in
     check_run(store, params.compute, params.model, fingerprint, params.overwrite)  # refused at once, before waiting or computing
     with run_session(store, on_wait=get_run_logger().warning):
         return _stages(params, store, fingerprint)
@@ -76,7 +77,7 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     if params.validation.subsets:
         run(validate_run, ValidationInput(params.validation, params.model, params.training, data, first.model, scores, store, params.compute))
     interrupts.raise_if_interrupted()
-    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate)
+    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate, run.started)
 
 
 def _member(run: StageRunner, params: RunParameters, data: DataRef, store: RunStore, index: int) -> Member:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -16,6 +17,7 @@ from influence_core.errors import ConfigError
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 
 
+FINGERPRINT = "{fingerprint}"  # in output_url: the run's parameter fingerprint, so each question has its own output
 PLACEMENT = {"compute": ("cluster", "address", "device", "n_workers", "allow_multithreaded_workers", "index_budget_gb"), "storage": ("endpoint_url", "region", "cache_url")}
 
 
@@ -24,7 +26,11 @@ class RunParameters(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Influence run")
 
-    output_url: str = Field("runs/demo", title="Output URL", description="Local directory or s3://bucket/prefix receiving influence.zarr, report.png and summary.json.")
+    output_url: str = Field(
+        "runs/demo", title="Output URL",
+        description="Local directory or s3://bucket/prefix receiving influence.zarr, report.png and summary.json. "
+        f"{FINGERPRINT} in it becomes the run's parameter fingerprint: each question gets its own output, and asking it again reuses it.",
+    )
     dataset: DatasetSpec = Field(default_factory=DigitsDataset, title="Dataset", description="Where the training and query examples come from (a source, with only that source's settings), and how they are split and chunked.")
     model: ModelSpec = Field(default_factory=ModelSpec, title="Model", description="The PyTorch model whose predictions are attributed: built here and trained, or loaded from a checkpoint.")
     training: TrainingSpec = Field(default_factory=TrainingSpec, title="Training", description="How the model is trained in the fit_model stage (ignored with a checkpoint).")
@@ -44,6 +50,9 @@ class RunParameters(BaseModel):
     @classmethod
     def _supported_url(cls, value: str) -> str:
         storage.validate_url(value, "output_url")
+        unknown = set(re.findall(r"\{[^}]*\}", value)) - {FINGERPRINT}
+        if unknown:
+            raise ConfigError("output_url", f"{sorted(unknown)[0]} is not a placeholder", f"use {FINGERPRINT} (the run's parameter fingerprint), or no braces")
         return value
 
     @model_validator(mode="after")
@@ -99,7 +108,8 @@ class RunParameters(BaseModel):
         return {name: getattr(self, name) for name in type(self).model_fields}
 
     def store(self) -> RunStore:
-        return RunStore(output_url=self.output_url, storage=self.storage)
+        """Where the run writes: output_url, its {fingerprint} replaced by the run's fingerprint."""
+        return RunStore(output_url=self.output_url.replace(FINGERPRINT, self.run_fingerprint()), storage=self.storage)
 
     def run_fingerprint(self) -> str:
         """What the run writes: every parameter but where it runs and stores (those never change a result: every

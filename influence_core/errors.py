@@ -24,6 +24,6 @@ class RegularizationError(ConfigError, NumericalError):
     """λ too small for the curvature in force: a numerical failure whose fix is a setting, so it reads as bad input
     (one line naming `method.regularization` and a value that works) and is never retried."""
 
-    def __init__(self, problem: str, lam: float, suggested: float, mode: str | None = None) -> None:
+    def __init__(self, problem: str, lam: float, suggested: float, mode: str | None = None, also: str = "") -> None:
         other = " or second_order_mode: gauss_newton (positive semi-definite)" if mode == "hessian" else ""
-        super().__init__("method.regularization", f"{problem} (λ={lam:g})", f"set method.regularization to {suggested:.1e} or more{other}")
+        super().__init__("method.regularization", f"{problem} (λ={lam:g})", f"set method.regularization to {suggested:.1e} or more{other}{also}")

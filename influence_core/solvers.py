@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -15,26 +17,38 @@ from .errors import NumericalError
 MatMat = Callable[[torch.Tensor], torch.Tensor]
 
 log = logging.getLogger(__name__)
-PROGRESS_SECONDS = 30.0  # a running solve reports its iteration and residual at least this often
-CAP_PER_UNKNOWN = 10  # without method.maxiter, a solve stops after 10·p iterations and fails naming method.regularization
+PROGRESS_SECONDS = float(os.environ.get("INFLUENCE_PROGRESS_SECONDS", 30))  # a running solve reports at least this often
+CAP_PER_UNKNOWN = 10  # without method.maxiter, a solve stops after min(10·p, DEFAULT_MAXITER) iterations and fails
+DEFAULT_MAXITER = 1000  # naming method.maxiter: CG needs about √κ·ln(2/rtol)/2 iterations, 1,000 covers κ ≈ 1e4 at rtol 1e-6; beyond, precondition
+
+
+def default_cap(p: int) -> int:
+    """The iterations a solve of p unknowns may take when method.maxiter is not set."""
+    return min(CAP_PER_UNKNOWN * p, DEFAULT_MAXITER)
 
 
 class NotConverged(NumericalError):
     """A solve that stopped short of its tolerance (at the default cap) or met non-positive curvature; carries what
     the method needs to suggest a λ: the largest curvature seen along the search directions."""
 
-    def __init__(self, problem: str, largest_seen: float) -> None:
-        self.problem, self.largest_seen = problem, largest_seen
+    def __init__(self, problem: str, largest_seen: float, at_cap: bool = False) -> None:
+        self.problem, self.largest_seen, self.at_cap = problem, largest_seen, at_cap
         super().__init__(f"{problem}: raise method.regularization (largest curvature seen {largest_seen:.2e})")
 
 
-class Progress:
-    """Logs `iteration, systems unconverged, worst relative residual` at most every PROGRESS_SECONDS, and tracks the
-    largest Rayleigh quotient dᵀAd/dᵀd met (a lower bound of the largest eigenvalue), for the advice on failure."""
+def duration(seconds: float) -> str:
+    """`seconds` as a person reads it: 42 s, 7 min, 3.5 h."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
-    def __init__(self, name: str, maxiter: int, rhs_norms: torch.Tensor) -> None:
-        self.name, self.maxiter, self.norms = name, maxiter, rhs_norms.clamp_min(torch.finfo(rhs_norms.dtype).tiny)
-        self.last = time.monotonic()
+
+class Progress:
+    """Logs the iteration, the systems above tolerance, the worst relative residual and an estimate of what is left
+    at least every PROGRESS_SECONDS, and tracks the largest Rayleigh quotient dᵀAd/dᵀd met (a lower bound of the
+    largest eigenvalue), for the advice on failure."""
+
+    def __init__(self, name: str, maxiter: int, rhs_norms: torch.Tensor, rtol: float) -> None:
+        self.name, self.maxiter, self.norms, self.rtol = name, maxiter, rhs_norms.clamp_min(torch.finfo(rhs_norms.dtype).tiny), rtol
+        self.start = self.last = time.monotonic()
         self.largest = 0.0
 
     def saw(self, directions: torch.Tensor, products: torch.Tensor) -> None:
@@ -43,10 +57,27 @@ class Progress:
         self.largest = max(self.largest, float(quotients.max()))
 
     def step(self, iteration: int, residual_norms: torch.Tensor, active: torch.Tensor) -> None:
-        if time.monotonic() - self.last >= PROGRESS_SECONDS:
-            self.last = time.monotonic()
-            worst = float((residual_norms / self.norms).max())
-            log.info("%s: iteration %d of at most %d, %d of %d systems above tolerance, worst relative residual %.2e", self.name, iteration, self.maxiter, int(active.sum()), len(active), worst)
+        """Log a progress line when PROGRESS_SECONDS have passed since the last one."""
+        now = time.monotonic()
+        if now - self.last < PROGRESS_SECONDS:
+            return
+        self.last = now
+        worst = float((residual_norms / self.norms).max())
+        log.info(
+            "%s: iteration %d of at most %d (method.maxiter), %d of %d systems above tolerance, worst relative residual %.2e (rtol %g), %s",
+            self.name, iteration, self.maxiter, int(active.sum()), len(active), worst, self.rtol, self.estimate(iteration, worst, (now - self.start) / iteration),
+        )
+
+    def estimate(self, iteration: int, worst: float, per_iteration: float) -> str:
+        """What is left, at the worst residual's mean rate of decrease so far (it starts at 1)."""
+        pace = f"{per_iteration:.2g} s per iteration"
+        rate = -math.log(max(worst, 1e-300)) / iteration  # decades fall geometrically in CG's steady phase
+        if rate <= 0:
+            return f"{pace}; no estimate yet (the residual has not fallen)"
+        needed = max(0, math.ceil(math.log(worst / self.rtol) / rate))
+        if iteration + needed > self.maxiter:
+            return f"{pace}; at this rate the cap comes first (in {duration((self.maxiter - iteration) * per_iteration)}): set method.preconditioner: nystroem, or raise method.regularization"
+        return f"{pace}; about {needed} more iterations ({duration(needed * per_iteration)}) at this rate"
 
 
 @dataclass(frozen=True)
@@ -72,9 +103,9 @@ def conjugate_gradient(
     unknowns (a block-Krylov method would break down there). Converged rows drop out of later products.
     """
     k, p = rhs.shape
-    capped, maxiter = maxiter is None, maxiter or CAP_PER_UNKNOWN * p
+    capped, maxiter = maxiter is None, maxiter or default_cap(p)
     precond = preconditioner or (lambda r: r)
-    progress = Progress("CG", maxiter, rhs.norm(dim=1))
+    progress = Progress("CG", maxiter, rhs.norm(dim=1), rtol)
     x = torch.zeros_like(rhs)
     r = rhs.clone()
     z = precond(r)
@@ -114,7 +145,7 @@ def _finish(rhs: torch.Tensor, residuals: torch.Tensor, active: torch.Tensor, rt
     relative = (residuals.norm(dim=1) / rhs.norm(dim=1).clamp_min(torch.finfo(rhs.dtype).tiny)).max().item()
     info = SolveInfo(iterations, products, relative, int(active.sum()))
     if info.unconverged and capped is not None:
-        raise NotConverged(f"CG did not converge in {maxiter} iterations ({maxiter // len(residuals[0])}·p; worst relative residual {relative:.1e}, rtol {rtol:g})", capped.largest)
+        raise NotConverged(f"CG did not converge in {maxiter} iterations (method.maxiter unset: min({CAP_PER_UNKNOWN}·p, {DEFAULT_MAXITER}); worst relative residual {relative:.1e}, rtol {rtol:g})", capped.largest, at_cap=True)
     if info.unconverged:
         warnings.warn(
             f"CG: {info.unconverged} of {len(rhs)} systems did not reach rtol={rtol} in {maxiter} iterations "
@@ -150,9 +181,9 @@ def block_conjugate_gradient(
     k is large. Search directions are orthonormalised and deflated each step (breakdown-free block CG, Ji & Li 2017);
     the products per iteration are one per independent direction, never more than min(k, p)."""
     k, p = rhs.shape
-    capped, maxiter = maxiter is None, maxiter or CAP_PER_UNKNOWN * p
+    capped, maxiter = maxiter is None, maxiter or default_cap(p)
     precond = preconditioner or (lambda r: r)
-    progress = Progress("block CG", maxiter, rhs.norm(dim=1))
+    progress = Progress("block CG", maxiter, rhs.norm(dim=1), rtol)
     b = rhs.T  # (p, k): columns are systems
     x = torch.zeros_like(b)
     r = b.clone()

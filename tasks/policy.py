@@ -24,6 +24,8 @@ from influence_core import ConfigError, NumericalError
 from influence_core.pipeline.stage import StageInput
 from influence_core.pipeline.refs import StageRef
 
+from .progress import library_logs
+
 R = TypeVar("R", bound=StageRef)
 S = TypeVar("S", bound=StageInput[Any])
 
@@ -101,7 +103,8 @@ def stage_task(name: str) -> Callable[[Callable[[S], R]], Task[[S], R]]:
             call = stage.call
             if waited(call.key):
                 call.existing(recheck=True)
-            return stage_fn(stage).moved(call.store.relative)
+            with library_logs():
+                return stage_fn(stage).moved(call.store.relative)
 
         body.__name__ = body.__qualname__ = name  # Prefect's task key: unique although several bodies are an engine's `run`
         return prefect_task(name=name, cache_policy=stage_policy(), **STAGE_OPTIONS)(body)

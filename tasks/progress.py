@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -43,3 +46,17 @@ class ChunkProgress:
         self.bar.update(self.task_id, completed=done)
         if done >= total:
             self.bar.stop()
+
+
+@contextmanager
+def library_logs() -> Iterator[None]:
+    """The library's log lines (a long solve's progress) at the run loggers' level while a stage runs: Prefect gives
+    `influence_core` its handlers (PREFECT_LOGGING_EXTRA_LOGGERS) but no level, so its INFO lines stopped at the
+    root's WARNING."""
+    library = logging.getLogger("influence_core")
+    before = library.level
+    library.setLevel(get_run_logger().getEffectiveLevel())
+    try:
+        yield
+    finally:
+        library.setLevel(before)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from datetime import datetime
 from typing import Any
 
 from prefect import task
@@ -20,10 +21,10 @@ TABLE_MAX_K = 10  # helpful and harmful columns each in the table artifact; a wi
 
 
 @task(name="publish", retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=is_transient)
-def publish_run(store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], aggregate: AggregateSpec) -> dict[str, Any]:
+def publish_run(store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], aggregate: AggregateSpec, started: datetime) -> dict[str, Any]:
     """Write the report and summary, mark the run complete, and publish the top-k table, report and summary artifacts."""
     shown = min(aggregate.top_k, TABLE_MAX_K)
-    summary, table = publish.publish(store, refs, config, stages, aggregate.report_queries, shown)
+    summary, table = publish.publish(store, refs, config, stages, aggregate.report_queries, shown, started)
     of = "" if shown == aggregate.top_k else f" (of top_k={aggregate.top_k}; all are in influence.zarr)"
     create_table_artifact(table_records(table), key="influence-topk", description=f"The {shown} most helpful and {shown} most harmful training examples{of} for the first {len(table)} queries")
     create_image_artifact(report_data_url(store), key="influence-report", description=f"report.png ({summary['report']}): queries beside their most helpful and most harmful training examples")

@@ -8,7 +8,7 @@ import torch
 
 from ..blocks import BlockCurvature
 from ..errors import RegularizationError
-from ..solvers import NotConverged, SolveInfo, block_conjugate_gradient, conjugate_gradient
+from ..solvers import DEFAULT_MAXITER, NotConverged, SolveInfo, block_conjugate_gradient, conjugate_gradient
 from .influence_model import BlockSolver, InfluenceFunctionModel
 from .options import CurvatureOptions, ProjectedOptions, option
 from .preconditioners import PRECONDITIONERS, PreconditionerName
@@ -17,7 +17,7 @@ from .preconditioners import PRECONDITIONERS, PreconditionerName
 @dataclass(frozen=True, kw_only=True)
 class CgOptions(CurvatureOptions, ProjectedOptions):
     rtol: float = option(1e-6, "Relative tolerance", "Stop each system when its residual falls below rtol·|b|.", gt=0, lt=1)
-    maxiter: int | None = option(None, "Max iterations", "Iteration cap per solve (empty: 10·p).", ge=1)
+    maxiter: int | None = option(None, "Max iterations", f"Iteration cap per solve; reached, it only warns (empty: min(10·p, {DEFAULT_MAXITER}), and reaching it fails the run).", ge=1)
     preconditioner: PreconditionerName = option("none", "Preconditioner", "jacobi: Hutchinson estimate of the diagonal; nystroem: low-rank Nyström sketch.")
     preconditioner_rank: int = option(20, "Preconditioner rank", "Rank of the Nyström preconditioner.", ge=1)
     hutchinson_probes: int = option(32, "Hutchinson probes", "Random probes for the Jacobi diagonal estimate.", ge=1)
@@ -59,7 +59,9 @@ class CgSolver(BlockSolver):
                 preconditioner=None if self.preconditioner is None else self.preconditioner.apply,
             )
         except NotConverged as exc:  # λ too small for this curvature: say which λ would do, for the mode in force
-            raise RegularizationError(exc.problem, self.lam, max(10 * self.lam, 1e-3 * exc.largest_seen), self.second_order_mode) from None
+            unaided = exc.at_cap and self.preconditioner is None  # slow, not indefinite: a preconditioner speeds it up
+            also = ", or set method.preconditioner: nystroem (a low-rank sketch that cuts the iterations)" if unaided else ""
+            raise RegularizationError(exc.problem, self.lam, max(10 * self.lam, 1e-3 * exc.largest_seen), self.second_order_mode, also) from None
         self.curvature.work.solves += len(features)
         self.curvature.work.solver_iterations += self.last_solve.iterations
         return solution

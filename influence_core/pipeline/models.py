@@ -15,6 +15,7 @@ from .. import examples
 from ..batches import ArrayBatches
 from ..errors import ConfigError
 from ..objective import Objective
+from ..task import Task
 from .refs import DataRef
 from .specs import ModelSpec, TrainingSpec
 
@@ -98,8 +99,8 @@ def check_queries(spec: ModelSpec, arrays: dict[str, Any]) -> None:
 SHUFFLE_BLOCK_ROWS = 65536  # the training set is read block by block: memory stays flat as it grows
 
 
-def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any) -> float:
-    """Fit with Adam and L2 weight decay; returns the final mean training loss.
+def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any) -> None:
+    """Fit with Adam and L2 weight decay, leaving the model in eval mode (`evaluate` measures it).
 
     Each epoch visits blocks of rows in a seeded random order and shuffles within each block, so only one block is
     in memory at a time (a full shuffle for data of up to SHUFFLE_BLOCK_ROWS rows).
@@ -121,12 +122,24 @@ def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: 
                 task.mean_loss(task.output(examples.call(model, examples.take(xs, idx))), ys[idx]).backward()
                 optimiser.step()
     model.eval()
-    total = 0.0
+
+
+def evaluate(model: nn.Module, task: Task, x: Any, y: Any, split: str) -> dict[str, float]:
+    """`{split}_loss`, the mean loss over the rows of x, y, and `{split}_accuracy` where the task has an accuracy,
+    in eval mode and block by block."""
+    model.eval()
+    objective = Objective(model, task)
+    blocks = ArrayBatches(x, y, SHUFFLE_BLOCK_ROWS)
+    total, right, made = 0.0, 0, 0
     with torch.no_grad():
         for xb, yb in blocks:
             xb, yb = objective.to_model(xb, yb)
-            total += float(task.mean_loss(task.output(examples.call(model, xb)), yb)) * len(yb)
-    return total / len(blocks)
+            outputs = task.output(examples.call(model, xb))
+            total += float(task.mean_loss(outputs, yb)) * len(yb)
+            hits = task.correct(outputs, yb)
+            right, made = (right + hits[0], made + hits[1]) if hits is not None else (right, made)
+    accuracy = {f"{split}_accuracy": right / made} if made else {}
+    return {f"{split}_loss": total / len(blocks), **accuracy}
 
 
 def state_bytes(model: nn.Module) -> bytes:

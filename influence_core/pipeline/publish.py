@@ -90,10 +90,11 @@ def task_decode(model: dict[str, Any]) -> Decode:
 
 
 def publish(
-    store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], n_queries: int, n_show: int
+    store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], n_queries: int, n_show: int, started: datetime
 ) -> tuple[dict[str, Any], list[QueryRow]]:
     """Write report.png and summary.json, then the group attributes; `status` becomes complete last. Returns the
-    summary and the first queries' rows with `n_show` examples each, for the table (the report shows REPORT_SHOWN)."""
+    summary and the first queries' rows with `n_show` examples each, for the table (the report shows REPORT_SHOWN).
+    `started`: when the run's flow began; the summary's wall_seconds run from there to the summary."""
     data = refs["prepare_data"]
     assert isinstance(data, DataRef)
     arrays, spec = open_data(data, store.options), ModelSpec.model_validate(config["model"])
@@ -104,9 +105,12 @@ def publish(
     text = spec.token_inputs or (isinstance(arrays["x_test"], dict) and "input_ids" in arrays["x_test"])  # token ids: shown as text
     note = None if validated is None else lds_line(validated)
     png = render_report([row.first(REPORT_SHOWN) for row in rows], example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, note, text, decode)
+    finished = datetime.now(timezone.utc)
     summary = {
         "status": "complete",
-        "finished_at": datetime.now(timezone.utc).isoformat(),
+        "started_at": started.isoformat(),
+        "finished_at": finished.isoformat(),
+        "wall_seconds": round((finished - started).total_seconds(), 3),
         "output_url": store.output_url,
         "influence": store.influence_url,
         "report": store.url("report.png"),

@@ -214,8 +214,18 @@ def table_records(rows: list[QueryRow]) -> list[dict[str, Any]]:
     ]
 
 
+def stage_note(stage: dict[str, Any]) -> str:
+    """What a stage's outcome says beyond its time: the model's losses and accuracies (fit_model), and for a stage
+    not computed by this run, what computing it cost when it was."""
+    metrics = stage.get("metrics", {})
+    shown = [f"{name.replace('_', ' ')} {value:.1%}" if name.endswith("accuracy") else f"{name.replace('_', ' ')} {value:.4g}" for name, value in metrics.items()]
+    earlier = [] if stage["outcome"] == "computed" else [f"computed earlier in {stage['seconds']:.2f} s"]
+    return ", ".join(shown + earlier)
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
-    """The run summary as markdown: outputs, stage outcomes and timings, configuration."""
+    """The run summary as markdown: outputs, stage outcomes, what each cost this run, the model's losses and
+    accuracies, the run's wall time, configuration."""
     lines = [
         "# Influence run",
         f"- status: **{summary['status']}**",
@@ -226,9 +236,10 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         *[f"- parameters {kind}: {group['tensors']} tensors, {group['elements']:,} elements" for kind, group in summary.get("parameters", {}).items()],
         *([f"- {lds_line(summary['validation'])}"] if "validation" in summary else []),
         "",
-        "| stage | outcome | compute seconds | wall seconds this run |",
+        "| stage | outcome | seconds this run | notes |",
         "|---|---|---|---|",
     ]
-    lines += [f"| {name} | {s['outcome']} | {s['seconds']:.2f} | {s['wall_seconds']:.2f} |" for name, s in summary["stages"].items()]
+    lines += [f"| {name} | {s['outcome']} | {s['wall_seconds']:.2f} | {stage_note(s)} |" for name, s in summary["stages"].items()]
+    lines += [f"| **whole run** | wall time | {summary['wall_seconds']:.2f} | from the flow's start to its summary |"]
     lines += ["", "## Configuration", "```json", json.dumps(summary["config"], indent=2, sort_keys=True), "```"]
     return "\n".join(lines)

@@ -43,14 +43,27 @@ def plain_optional(schema: dict[str, Any]) -> None:
 
 class _AnyOfSchema:
     """Render a tagged union as `anyOf` in JSON schema: Prefect's form offers a choice among `anyOf` variants
-    (it shows nothing for `oneOf`), while validation still dispatches on the tag (`name`, `source`) and reports errors per field."""
+    (it shows nothing for `oneOf`), while validation still dispatches on the tag (`name`, `source`) and reports errors per field.
+    An unknown tag also fails a `not` beside the `anyOf` whose description lists the valid tags as the CLI does: a
+    JSON Schema validator (Prefect's server, its UI) reports that error, not the `anyOf`'s generic one."""
 
     def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
         schema = handler(core_schema)
         if "oneOf" in schema:
             schema["anyOf"] = schema.pop("oneOf")
-            schema.pop("discriminator", None)
+            discriminator = schema.pop("discriminator")
+            schema["not"] = unknown_tag(discriminator["propertyName"], list(discriminator["mapping"]))
         return schema
+
+
+def unknown_tag(tag: str, tags: list[str]) -> dict[str, Any]:
+    """The JSON schema of an object whose `tag` is present and none of `tags`, described by the valid ones."""
+    listed = ", ".join(f"'{value}'" for value in tags)
+    return {
+        "description": f"{tag} does not match any of the expected tags: {listed}. Fix: set {tag} to one of the values listed",
+        "required": [tag],
+        "properties": {tag: {"not": {"enum": tags}}},
+    }
 
 
 class Spec(BaseModel):

@@ -11,7 +11,7 @@ from . import storage
 from .. import examples
 from ..errors import ConfigError
 from ..objective import Objective
-from .models import build_model, checkpoint_stamp, check_model_fits, load_into, load_state, state_bytes, train
+from .models import build_model, checkpoint_stamp, check_model_fits, evaluate, load_into, load_state, state_bytes, train
 from .refs import DataRef, ModelRef
 from .specs import CandidatesSpec, ModelSpec, TrainingSpec
 from .loading import open_data
@@ -64,7 +64,10 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         if spec.checkpoint:  # a checkpoint for another model is named as such, before the outputs are checked
             load_into(model, load_state(spec.checkpoint, store.options))
         check_model_fits(model, spec, arrays)
-        train_loss = None if spec.checkpoint else train(model, spec, training, arrays["x_train"], arrays["y_train"])
+        if not spec.checkpoint:
+            train(model, spec, training, arrays["x_train"], arrays["y_train"])
+        task = spec.make_task()
+        metrics = {**evaluate(model, task, arrays["x_train"], arrays["y_train"], "train"), **evaluate(model, task, arrays["x_test"], arrays["y_test"], "query")}
     raw = state_bytes(model)
     url = loc.path("model.pt")
     storage.write_bytes(url, raw, store.options)
@@ -81,7 +84,8 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         "in_features": int(torch.Size(data.feature_shape).numel()),
         "out_features": out_features,
         "feature_shape": list(data.feature_shape),
-        "train_loss": train_loss,
+        "train_loss": None if spec.checkpoint else metrics["train_loss"],
+        "metrics": metrics,
     }
 
 

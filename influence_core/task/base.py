@@ -49,6 +49,11 @@ class Task(ABC):
         """Per-example query measurements (B,), whose gradients the queries' scores take: by default the loss."""
         return self.loss(outputs, targets)
 
+    def correct(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, int] | None:
+        """Predictions that are right and predictions made in a batch, for the accuracy the pipeline reports; None
+        (by default): the task has no accuracy (regression, a loss given as a callable)."""
+        return None
+
     def decode(self, ids: list[int]) -> str:
         """The text of token ids, as reports show it (padding and unscored ids already dropped): by default bytes of a
         byte-level vocabulary read as UTF-8; a task over a tokenizer's vocabulary returns `tokenizer.decode(ids)`."""

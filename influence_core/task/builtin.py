@@ -16,6 +16,11 @@ from .base import Task
 IGNORE_INDEX = -100  # a label that is not scored (padding; a prompt), as in torch and Hugging Face
 
 
+def _hits(logits: torch.Tensor, labels: torch.Tensor, scored: torch.Tensor) -> tuple[int, int]:
+    """Positions where the argmax of `logits` (..., C) is `labels` (...), and positions, among the `scored` ones."""
+    return int(((logits.argmax(-1) == labels) & scored).sum()), int(scored.sum())
+
+
 def _unfit(outputs: torch.Tensor, targets: torch.Tensor, fix: str) -> ConfigError:
     return ConfigError("model", f"model outputs of shape {tuple(outputs.shape)} do not fit labels of shape {tuple(targets.shape)}", fix)
 
@@ -74,6 +79,12 @@ class Classification(Task):
         logits, labels, weights = self._positions(outputs, targets)
         ce = F.cross_entropy(logits.transpose(1, 2), labels.transpose(1, 2) if labels.is_floating_point() else labels, reduction="none", ignore_index=IGNORE_INDEX)
         return (ce * weights).sum(1)
+
+    def correct(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
+        """The argmax class against the label (a soft label's argmax) at every scored position."""
+        logits, labels, weights = self._positions(outputs, targets)
+        truth = labels.argmax(-1) if labels.is_floating_point() else labels
+        return _hits(logits, truth, weights > 0)
 
     def measurement(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.kind == "loss":
@@ -139,6 +150,11 @@ class LanguageModelling(Task):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits, labels, _ = self._next(outputs, targets)
         return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=IGNORE_INDEX).sum(1)
+
+    def correct(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
+        """The argmax token against the next token, at every scored position."""
+        logits, labels, scored = self._next(outputs, targets)
+        return _hits(logits, labels, scored > 0)
 
     def fisher_passes(self, outputs: torch.Tensor) -> int:
         return (outputs.shape[1] - 1) * outputs.shape[2]

@@ -18,6 +18,7 @@ locals {
     }
     storage = {
       endpoint_url = var.s3_endpoint_url
+      cache_url    = "${var.results_prefix}/stages" # shared: a new question over the same training rows reuses the model
     }
   }
 
@@ -59,7 +60,7 @@ resource "prefect_deployment" "nightly" {
   work_queue_name          = "default"
   enforce_parameter_schema = true
   parameter_openapi_schema = local.parameter_schema
-  parameters               = jsonencode(merge(local.stack_params, { output_url = "${var.results_prefix}/nightly" }))
+  parameters               = jsonencode(merge(local.stack_params, { output_url = "${var.results_prefix}/nightly/{fingerprint}" }))
   concurrency_limit        = 1
   pull_steps               = local.pull_steps
   tags                     = ["influence", "nightly"]
@@ -81,7 +82,7 @@ resource "prefect_deployment" "on_demand" {
   work_queue_name          = "default"
   enforce_parameter_schema = true
   parameter_openapi_schema = local.parameter_schema
-  parameters               = jsonencode(merge(local.stack_params, { output_url = "${var.results_prefix}/on-demand" }))
+  parameters               = jsonencode(merge(local.stack_params, { output_url = "${var.results_prefix}/on-demand/{fingerprint}" }))
   concurrency_limit        = 2
   pull_steps               = local.pull_steps
   tags                     = ["influence", "on-demand"]

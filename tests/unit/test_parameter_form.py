@@ -40,6 +40,18 @@ def test_methods_and_cluster_kinds_are_choices():
     assert defs["ClusterKind"]["enum"] == ["local", "cuda", "address", "sequential"]
 
 
+def test_an_unknown_method_or_source_fails_a_check_that_lists_the_valid_ones():
+    """Beside each tagged union's choices, a `not` that only an unknown tag fails, described by the valid tags as the
+    CLI lists them: the error a JSON Schema validator (Prefect's server) reports, instead of the union's generic one."""
+    schema = RunParameters.model_json_schema()
+    defs = schema["$defs"]
+    for section, tag in (("method", "name"), ("dataset", "source")):
+        tags = [defs[v["$ref"].split("/")[-1]]["properties"][tag]["const"] for v in schema["properties"][section]["anyOf"]]
+        check = schema["properties"][section]["not"]
+        assert check["properties"] == {tag: {"not": {"enum": tags}}} and check["required"] == [tag]
+        assert check["description"] == f"{tag} does not match any of the expected tags: {', '.join(repr(t) for t in tags)}. Fix: set {tag} to one of the values listed"
+
+
 DATASET_DEFS = ["DigitsDataset", "SyntheticClassificationDataset", "SyntheticRegressionDataset", "NpzDataset", "NpyDataset", "ZarrDataset", "TorchFactoryDataset", "HfDiskDataset", "ParquetDataset", "PythonDocsDataset"]
 
 

@@ -1,6 +1,6 @@
 """Singular or indefinite curvature never runs silently: λ = 0 is refused at construction where the method needs
-λ > 0; an iterative solve reports its iteration and residual while it runs, and stops at its cap (10·p) with one
-line naming method.regularization and a λ that works; the advice fits the second-order mode in force."""
+λ > 0; an iterative solve reports its iteration, residual and an estimate while it runs, and stops at its cap
+(min(10·p, 1000)) with one line naming method.maxiter, method.regularization and a λ that works; the advice fits the second-order mode in force."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_progress_is_logged_with_iteration_and_residual(monkeypatch, caplog):
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == info.iterations and info.unconverged == 0
         assert lines[0].split(":")[1].strip().startswith(f"iteration 1 of at most {CAP_PER_UNKNOWN * 30}")
-        last = float(lines[-1].rsplit(" ", 1)[1])  # the worst relative residual at the last iteration, as the solve reports it
+        last = float(lines[-1].split("worst relative residual ")[1].split(" ")[0])  # at the last iteration, as the solve reports it
+        assert "s per iteration; about 0 more iterations" in lines[-1]
         assert last == pytest.approx(info.max_relative_residual, rel=1e-2)
         torch.testing.assert_close(x, torch.linalg.solve(a, b.T).T, rtol=1e-7, atol=1e-9)
 
@@ -62,7 +63,7 @@ def test_a_solve_that_cannot_converge_stops_at_its_cap_naming_a_lambda_that_work
         im.influence_factors(x[:4], y[:4])
     error = failed.value
     assert isinstance(error, NumericalError) and error.field == "method.regularization"
-    assert ("non-positive curvature" in error.problem) or (f"in {2 * p} iterations (2·p" in error.problem)
+    assert ("non-positive curvature" in error.problem) or (f"in {2 * p} iterations (method.maxiter unset: min(2·p, 1000)" in error.problem)
     assert ("gauss_newton" in error.fix) == (mode == "hessian")  # never advise the mode already in force
     suggested = float(error.fix.split("to ")[1].split(" ")[0])
     assert suggested > lam
