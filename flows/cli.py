@@ -107,6 +107,22 @@ def print_table(rows: list[QueryRow], title: str) -> None:
     console.print(table)
 
 
+def start_temporary_server() -> None:
+    """Without PREFECT_API_URL, start Prefect's temporary server now (the one its client would start) with a watchdog
+    that ends it when this process dies, even by SIGKILL, which runs no `atexit`."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    from .watchdog import watch
+
+    if PREFECT_API_URL.value():
+        return
+    server = SubprocessASGIServer()
+    server.start()
+    assert server.server_process is not None
+    watch(server.server_process.pid)
+
+
 def execute(params: RunParameters) -> None:
     """Run the flow, then print the top-k table and where the outputs are."""
     from prefect.logging.handlers import APILogWorker
@@ -117,9 +133,11 @@ def execute(params: RunParameters) -> None:
 
     from .influence_run import influence_run
     from .interrupts import Interrupted, interruptible
+    from .refusals import printed_by_caller
 
     try:
-        with interruptible(before_stop=lambda: APILogWorker.drain_all(timeout=5)):  # the run's last logs reach the API before its server stops
+        with interruptible(before_stop=lambda: APILogWorker.drain_all(timeout=5)), printed_by_caller():  # the run's last logs reach the API before its server stops
+            start_temporary_server()
             summary = influence_run(**params.sections())
     except ConfigError as exc:  # bad input found by the preflight or a stage: one line, no traceback
         raise fail([str(exc)], 1) from None

@@ -90,6 +90,15 @@ def _tag(member: type[BaseModel]) -> tuple[str, Any] | None:
     return None
 
 
+def _section_holding(section: type[BaseModel], name: str) -> str | None:
+    """The section of `section` that has a field `name` (a top-level `task` belongs in `model`), if one does."""
+    for section_name, field in section.model_fields.items():
+        members = [a for a in typing.get_args(field.annotation) or (field.annotation,) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if any(name in member.model_fields for member in members):
+            return section_name
+    return None
+
+
 def _fix(err: Any, field: str, path: list[str], section: type[BaseModel] | None, members: list[type[BaseModel]]) -> str:
     kind, ctx = err["type"], err.get("ctx") or {}
     if kind == "extra_forbidden" and section is not None:
@@ -101,7 +110,8 @@ def _fix(err: Any, field: str, path: list[str], section: type[BaseModel] | None,
         if owners and tag:  # a setting of another source or method: say which, rather than a near name of this one
             start = f"{path[-1]!r} belongs to {tag[0]}={' or '.join(owners)}: set {where}.{tag[0]} to one of those, or remove it; "
         else:
-            start = f"did you mean {close[0]!r}? " if close else f"remove {path[-1]!r}; "
+            home = _section_holding(section, path[-1])
+            start = f"did you mean {'.'.join([*path[:-1], home, path[-1]])}? " if home else f"did you mean {close[0]!r}? " if close else f"remove {path[-1]!r}; "
         if tag and len(path) > 1:  # one member of a tagged union: say which
             where += f" ({tag[0]}={tag[1]})"
         return start + f"{where} takes {', '.join(allowed)}"

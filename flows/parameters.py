@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,6 +20,9 @@ from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, Compute
 
 FINGERPRINT = "{fingerprint}"  # in output_url: the run's parameter fingerprint, so each question has its own output
 PLACEMENT = {"compute": ("cluster", "address", "device", "n_workers", "allow_multithreaded_workers", "index_budget_gb"), "storage": ("endpoint_url", "region", "cache_url")}
+MAX_TEXT_CHARS = 4096  # a path, URL, name or option longer than this is a mistake (PATH_MAX is 4096)
+MAX_PARAMETERS_BYTES = 524_288  # Prefect's server refuses a flow run whose parameters' JSON is larger (server.api.max_parameter_size)
+
 
 
 class RunParameters(BaseModel):
@@ -45,6 +49,23 @@ class RunParameters(BaseModel):
         description="Replace a run of other parameters found at the output URL (otherwise the run is refused before computing anything). "
         "A run of the same parameters is resumed or reused either way.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sizes_fit(cls, data: Any) -> Any:
+        """No text value longer than MAX_TEXT_CHARS and parameters within Prefect's size limit, refused naming the
+        field without echoing the value (it is not printed: it may be a pasted secret, and is too long to read)."""
+        if not isinstance(data, dict):
+            return data
+        plain = {name: value.model_dump(mode="json") if isinstance(value, BaseModel) else value for name, value in data.items()}
+        for field, text in _texts(plain):
+            if len(text) > MAX_TEXT_CHARS:
+                raise ConfigError(field, f"the value is {len(text):,} characters long, more than the {MAX_TEXT_CHARS:,} a text parameter may hold (not printed)", f"give {field} a short value")
+        size = len(json.dumps(plain, default=str))
+        if size > MAX_PARAMETERS_BYTES:
+            biggest = max(plain, key=lambda name: len(json.dumps(plain[name], default=str)))
+            raise ConfigError(biggest, f"the parameters are {size:,} bytes of JSON, more than the {MAX_PARAMETERS_BYTES:,} a Prefect flow run may hold", f"make {biggest} smaller, e.g. pass large data by path")
+        return data
 
     @field_validator("output_url")
     @classmethod
@@ -125,3 +146,17 @@ class RunParameters(BaseModel):
     def public_config(self) -> dict[str, Any]:
         """The parameters as JSON; they hold no credentials by construction (those come from the environment)."""
         return self.model_dump(mode="json")
+
+
+def _texts(value: Any, field: str = "") -> Iterator[tuple[str, str]]:
+    """Every text in a parameters tree (keys included) with the dotted name of where it sits."""
+    if isinstance(value, str):
+        yield field or "(top level)", value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{field}.{key}" if field else str(key)
+            yield from _texts(str(key), field or "(top level)")
+            yield from _texts(item, name)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _texts(item, f"{field}.{index}")

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import sysconfig
+import traceback
+from pathlib import Path
+
+LIBRARIES = tuple({sysconfig.get_paths()[kind] for kind in ("stdlib", "platstdlib", "purelib", "platlib")} | {str(Path(__file__).parent)})
+
 
 class ConfigError(ValueError):
     """Bad input, found before (or instead of) expensive work; never worth retrying.
@@ -27,3 +33,14 @@ class RegularizationError(ConfigError, NumericalError):
     def __init__(self, problem: str, lam: float, suggested: float, mode: str | None = None, also: str = "") -> None:
         other = " or second_order_mode: gauss_newton (positive semi-definite)" if mode == "hessian" else ""
         super().__init__("method.regularization", f"{problem} (λ={lam:g})", f"set method.regularization to {suggested:.1e} or more{other}{also}")
+
+
+def raised(exc: BaseException) -> str:
+    """`Type: message (at file:line)`, one line: an exception of the user's code (a model factory, a forward pass, a
+    dataset), placed at its innermost frame outside the libraries and this package (else its innermost frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [frame for frame in frames if not frame.filename.startswith(LIBRARIES)]
+    where = (own or frames)[-1:]
+    message = " ".join(str(exc).split())[:300]
+    at = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
+    return f"{type(exc).__name__}: {message}{at}"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 import psutil
+from distributed import KilledWorker
 from prefect import Task, task as prefect_task
 from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import State, TaskRun
@@ -20,7 +21,6 @@ from prefect.context import TaskRunContext
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.settings import PREFECT_HOME
 
-from influence_core import ConfigError, NumericalError
 from influence_core.pipeline.stage import StageInput
 from influence_core.pipeline.refs import StageRef
 
@@ -113,15 +113,17 @@ def stage_task(name: str) -> Callable[[Callable[[S], R]], Task[[S], R]]:
 
 
 def is_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
-    """Retry connection errors and lost workers; never bad input or numerical failures, which fail at once."""
+    """Retry what a second attempt can cure: connection and I/O errors (timeouts included) and lost workers. Never bad
+    input, numerical failures, or an error raised by the user's code or data (an IndexError in a forward pass, a
+    factory that raises), which fail at once."""
     try:
         state.result(raise_on_failure=True)
-    except (ConfigError, NumericalError, ValueError, TypeError, KeyError):
-        return False
     except OSError as exc:
         return exc.errno != errno.ENOSPC  # a full disk stays full: retrying only rewrites what fits
-    except Exception:
+    except KilledWorker:
         return True
+    except Exception:
+        return False
     return False
 
 

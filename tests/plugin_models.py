@@ -106,3 +106,24 @@ class MeanEmbedding(nn.Module):
 
 def mean_embedding(vocab_size: int = 64, width: int = 8, classes: int = 3) -> nn.Module:
     return MeanEmbedding(vocab_size, width, classes)
+
+
+def raising(in_features: int = 64, classes: int = 10) -> nn.Module:
+    """A factory that fails, as user code does."""
+    raise RuntimeError("no pretrained weights for this size")
+
+
+class WithHidden(nn.Module):
+    """Returns a tuple (logits, hidden), as many research models do."""
+
+    def __init__(self, in_features: int, classes: int) -> None:
+        super().__init__()
+        self.hidden, self.head = nn.Linear(in_features, 8), nn.Linear(8, classes)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.hidden(x))
+        return self.head(hidden), hidden
+
+
+def tuple_output(in_features: int = 64, classes: int = 10) -> nn.Module:
+    return WithHidden(in_features, classes)

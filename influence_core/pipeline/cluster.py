@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -11,12 +12,14 @@ from contextlib import contextmanager
 
 import dask
 import torch
+from dask.system import CPU_COUNT
 from distributed import Client, LocalCluster
 from distributed.comm.addressing import parse_address, parse_host_port
 
 from ..errors import ConfigError
 from .specs import ClusterKind, ComputeSpec
 
+WORKER_EXIT_SECONDS = 60.0  # a worker process exits in seconds; one still alive after this is killed
 PROBE_TIMEOUT = 3.0  # seconds: an unreachable scheduler is reported at once, not after the client's 20 s timeout
 
 
@@ -56,7 +59,7 @@ class _Shared:
     def _close(held: tuple[LocalCluster, Client]) -> None:
         cluster, client = held
         client.close()
-        cluster.close()
+        close_cluster(cluster)
 
 
 _SHARED = _Shared()
@@ -89,8 +92,23 @@ def dask_client(spec: ComputeSpec, thread_safe: bool) -> Iterator[Client | None]
         if _SHARED.sessions:
             yield _SHARED.client(kind, spec)
             return
-        with _start_cluster(kind, spec) as cluster, Client(cluster) as client:
-            yield client
+        cluster = _start_cluster(kind, spec)
+        try:
+            with Client(cluster) as client:
+                yield client
+        finally:
+            close_cluster(cluster)
+
+
+def close_cluster(cluster: LocalCluster) -> None:
+    """Close the workers, giving each process WORKER_EXIT_SECONDS to exit (a nanny's own 4 s run out while a worker
+    that imported torch and zarr exits on a busy machine, and it then kills it with a warning), then the cluster."""
+
+    async def close_workers() -> None:
+        await asyncio.gather(*(worker.close(timeout=WORKER_EXIT_SECONDS) for worker in list(cluster.workers.values())))
+
+    cluster.sync(close_workers)
+    cluster.close()
 
 
 def check_scheduler(spec: ComputeSpec) -> None:
@@ -110,6 +128,16 @@ def check_scheduler(spec: ComputeSpec) -> None:
         raise ConfigError(
             "compute.address", f"no Dask scheduler answers at {spec.address} ({exc.strerror or exc})", "start the scheduler (dask scheduler) or correct compute.address"
         ) from None
+
+
+def check_local_workers(spec: ComputeSpec) -> None:
+    """For cluster=local, at most one worker process per core: more, each with a memory limit of total/n, pause and
+    restart in a loop instead of computing."""
+    if spec.cluster == ClusterKind.local.value and spec.n_workers > CPU_COUNT:
+        raise ConfigError(
+            "compute.n_workers", f"{spec.n_workers} worker processes on the {CPU_COUNT} cores here would each get 1/{spec.n_workers} of the memory and stall",
+            f"set compute.n_workers to at most {CPU_COUNT} (one single-threaded worker per core)",
+        )
 
 
 def _worker_environ() -> dict[str, object]:

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import storage, tables
 from .. import examples
-from .dotted import load_attribute
+from .dotted import load_attribute, user_error
 from ..errors import ConfigError
 from ..task.builtin import IGNORE_INDEX
 from . import python_docs
@@ -46,12 +46,21 @@ def _in_memory_split(x: Any, y: np.ndarray, limit: int | None) -> Split:
 
 def _features(x: np.ndarray) -> np.ndarray:
     """Integer features (token ids, pixel counts) stay integers, as int64; others are float32."""
+    _numeric(x, "dataset.inputs", "features", "store numeric features (encode text as token ids, categories as indices)")
     return x.astype(np.int64) if np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_ else x.astype(np.float32)
 
 
 def _labels(y: np.ndarray) -> np.ndarray:
     """Integer labels keep an integer dtype; targets stay float32."""
+    _numeric(y, "dataset.target", "labels", "store class indices 0..C-1 (map each class name to its index) or numeric targets")
     return y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
+
+
+def _numeric(a: np.ndarray, field: str, what: str, fix: str) -> None:
+    """Refuse values that are not numbers (a column of strings), naming the first."""
+    if a.dtype.kind not in "biuf":
+        first = next((v for v in a.ravel() if not isinstance(v, (int, float, np.number))), a.ravel()[0] if a.size else None)
+        raise ConfigError(field, f"the {what} hold {type(first).__name__} values such as {str(first)[:40]!r}, not numbers", fix)
 
 
 def _digits(spec: DigitsDataset) -> Source:
@@ -145,7 +154,11 @@ def _torch_source(spec: PathDataset) -> Source:
     from torch.utils.data import DataLoader, Subset
 
     assert spec.path is not None
-    made = load_attribute(spec.path, "dataset.path")()
+    make = load_attribute(spec.path, "dataset.path")
+    try:
+        made = make()
+    except Exception as exc:  # the user's code failed: no traceback, and never retried
+        raise user_error("dataset.path", spec.path, exc, f"correct {spec.path}; it is called with no arguments and returns a torch Dataset") from None
     if isinstance(made, tuple):
         train_set, test_set = made
     elif len(made) < 2:
@@ -234,9 +247,19 @@ def _from_arrays(arrays: dict[str, Any], spec: PathDataset) -> Source:
         train = _range_split(x, y, stop, spec.chunk_rows, keep)
         test = Split(len(held_out), lambda: iter([_read_block(x, y, held_out)]))
     else:
-        wanted = ", ".join(_split_names(spec, "_train") + _split_names(spec, "_test"))
-        raise ConfigError("dataset.path", f"{spec.path!r} holds {sorted(arrays)}", f"provide {wanted} (or {', '.join(_split_names(spec, ''))})")
+        raise _missing_arrays(arrays, spec)
     return Source(train, test, None, None)
+
+
+def _missing_arrays(arrays: dict[str, Any], spec: PathDataset) -> ConfigError:
+    """The refusal of a source without the arrays the spec names: the target's name when its labels are what is
+    missing (a language model's labels are its input_ids: dataset.target), else the arrays to provide."""
+    if not any(name.removesuffix(suffix) == spec.target for name in arrays for suffix in ("_train", "_test", "")):
+        inputs = [name for name in spec.inputs or [] if name != spec.target]
+        example = f" (a language model's labels are its inputs: dataset.target: {inputs[0]})" if inputs else ""
+        return ConfigError("dataset.target", f"{spec.path!r} holds {sorted(arrays)}, without the labels {spec.target!r}", f"set dataset.target to the field of the labels{example}")
+    wanted = ", ".join(_split_names(spec, "_train") + _split_names(spec, "_test"))
+    return ConfigError("dataset.path", f"{spec.path!r} holds {sorted(arrays)}", f"provide {wanted} (or {', '.join(_split_names(spec, ''))})")
 
 
 def _npz(spec: PathDataset, options: dict[str, Any]) -> Source:
@@ -290,6 +313,8 @@ def _unmasked_labels(split: Split) -> Split:
 def open_source(spec: DatasetSpec, options: dict[str, Any]) -> Source:
     """The dataset described by `spec`, as streams of row blocks; `options` reach S3 for Zarr sources."""
     source = SOURCES[spec.source](spec, options)
+    if spec.n_train and source.train.n < spec.n_train:  # "at most n_train" silently giving fewer rows would go unseen
+        raise ConfigError("dataset.n_train", f"n_train={spec.n_train} asks for more training examples than the {source.train.n} that source={spec.source} has", f"set dataset.n_train to at most {source.train.n}, or leave it empty for all")
     if isinstance(spec, PathDataset) and spec.target in (spec.inputs or []) and "attention_mask" in (spec.inputs or []):
         return Source(_unmasked_labels(source.train), _unmasked_labels(source.test), source.n_classes, source.image_shape)
     return source

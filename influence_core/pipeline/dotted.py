@@ -6,7 +6,7 @@ import importlib
 import re
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, raised
 
 DOTTED = re.compile(r"[\w.]+:\w+")
 
@@ -26,8 +26,16 @@ def make_from(path: str, options: dict[str, Any], field: str, options_field: str
     make = load_attribute(path, field)
     try:
         made = make(**options)
-    except TypeError as exc:
-        raise ConfigError(options_field, f"{path} does not take these options ({exc})", f"give the keyword arguments {path} accepts") from None
+    except Exception as exc:  # the user's code failed: one line, and never retried
+        if isinstance(exc, TypeError) and exc.__traceback__ is not None and exc.__traceback__.tb_next is None:  # raised by the call itself: the options
+            raise ConfigError(options_field, f"{path} does not take these options ({exc})", f"give the keyword arguments {path} accepts") from None
+        raise user_error(field, path, exc, f"correct {path}; it is called as {path}(**{options_field})") from None
     if not isinstance(made, expected):
         raise ConfigError(field, f"{path} returned a {type(made).__name__}, not {kind}", fix)
     return made
+
+
+def user_error(field: str, path: str, exc: BaseException, fix: str) -> ConfigError:
+    """An exception raised by the user's code that `path` names, as the one line `field: path raised Type: message
+    (at file:line). Fix: ...`."""
+    return ConfigError(field, f"{path} raised {raised(exc)}", fix)

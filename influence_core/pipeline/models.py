@@ -16,6 +16,7 @@ from ..batches import ArrayBatches
 from ..errors import ConfigError
 from ..objective import Objective
 from ..task import Task
+from .dotted import user_error
 from .refs import DataRef
 from .specs import ModelSpec, TrainingSpec
 
@@ -61,8 +62,10 @@ def check_model_fits(model: nn.Module, spec: ModelSpec, arrays: dict[str, Any]) 
     if spec.factory is None and spec.architecture == "transformer":
         check_tokens(spec, arrays["x_train"])  # the queries' ids are checked by every run (check_queries): this stage is reused across query sets
     x, y = arrays["x_train"], arrays["y_train"]
+    objective = Objective(model, spec.make_task())
+    probe_forward(objective, spec, examples.read(x, slice(0, 64)), examples.read(y, slice(0, 64)))
     try:
-        outputs = Objective(model, spec.make_task()).check_outputs(examples.read(x, slice(0, 64)), examples.read(y))
+        outputs = objective.check_outputs(examples.read(x, slice(0, 64)), examples.read(y))
     except ConfigError as exc:
         raise _setting_to_change(exc, spec) from None
     if spec.task == "auto" and spec.task_class is None:
@@ -94,6 +97,27 @@ def check_queries(spec: ModelSpec, arrays: dict[str, Any]) -> None:
     """The queries fit the model: checked by every run, since the model is trained (and cached) on the training rows alone."""
     if spec.factory is None and spec.architecture == "transformer":
         check_tokens(spec, arrays["x_test"])
+
+
+def probe_forward(objective: Objective, spec: ModelSpec, x: Any, y: torch.Tensor) -> None:
+    """One forward pass on the first rows, before training: the model's own code failing (field names its forward does
+    not take, token ids beyond its embeddings) or returning no tensor is told as one line naming the setting."""
+    name = spec.factory or f"the built-in {spec.architecture}"
+    xs, _ = objective.to_model(x, y)
+    try:
+        with torch.no_grad():
+            out = objective.task.output(examples.call(objective.model, xs))
+    except TypeError as exc:
+        if not isinstance(xs, dict) or "unexpected keyword argument" not in str(exc):
+            raise user_error("model", f"{name}'s forward", exc, "correct the model's forward pass, or give it inputs it takes") from None
+        raise user_error("dataset.inputs", f"{name}'s forward", exc, f"name dataset.inputs ({', '.join(sorted(xs))}) after the arguments of the model's forward, or wrap the model to take them") from None
+    except IndexError as exc:
+        sizes = [m.num_embeddings for m in objective.model.modules() if isinstance(m, nn.Embedding)]
+        raise user_error("model", f"{name}'s forward", exc, f"give token ids below the sizes of its embeddings {sizes} (vocabulary, positions): tokenize with the model's own tokenizer and cut sequences to its context") from None
+    except Exception as exc:  # the user's model code failed: one line, and never retried
+        raise user_error("model", f"{name}'s forward", exc, "correct the model's forward pass, or give it inputs it takes") from None
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError("model", f"the forward pass of {name} returns a {type(out).__name__}, not a tensor", "return the outputs (e.g. the logits) as one tensor, or a Hugging Face output with .logits; wrap the model to pick them")
 
 
 SHUFFLE_BLOCK_ROWS = 65536  # the training set is read block by block: memory stays flat as it grows

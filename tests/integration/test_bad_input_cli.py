@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 from prefect.client.schemas.sorting import FlowRunSort
 from torch import nn
 from typer.testing import CliRunner
@@ -115,6 +115,26 @@ def npz_dataset(config: dict[str, Any], tmp_path: Path, **changes: np.ndarray) -
     arrays = {**digits_like(), **changes}
     np.savez(tmp_path / "data.npz", **arrays)
     config["dataset"] = {"source": "npz", "path": str(tmp_path / "data.npz"), "chunk_rows": 32}
+
+
+def token_fields(config: dict[str, Any], tmp_path: Path, ids: str = "input_ids", high: int = 64) -> None:
+    """Named fields (token ids below `high`, an attention mask, labels of 3 classes) for tests.plugin_models:mean_embedding."""
+    rng = np.random.default_rng(0)
+    arrays = {f"{name}_{split}": value for split, n in (("train", 60), ("test", 6)) for name, value in (
+        (ids, rng.integers(0, high, (n, 5))), ("attention_mask", np.ones((n, 5), np.int64)), ("y", np.arange(n) % 3))}
+    np.savez(tmp_path / "tokens.npz", **arrays)
+    config["dataset"] = {"source": "npz", "path": str(tmp_path / "tokens.npz"), "inputs": [ids, "attention_mask"], "chunk_rows": 32}
+    config["model"] = {"factory": "tests.plugin_models:mean_embedding"}
+
+
+def string_labels(config: dict[str, Any], tmp_path: Path) -> None:
+    """A Parquet file whose label column holds class names."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"x": rng.random((60, 4)).tolist(), "y": ["cat", "dog", "bird"] * 20}), tmp_path / "named.parquet")
+    config["dataset"] = {"source": "parquet", "path": str(tmp_path / "named.parquet"), "chunk_rows": 32}
 
 
 def with_nan(name: str, row: int, value: float) -> Callable[[dict[str, Any], Path], None]:
@@ -219,6 +239,11 @@ PARAMETER_CASES = [
     invalid("ensemble of 0", set_in("training.ensemble", 0), "training.ensemble", "1 or more"),
     invalid("ensemble with a checkpoint", both(set_in("training.ensemble", 2), set_in("model.checkpoint", "/no/such/model.pt")), "training.ensemble", "model.checkpoint", "set training.ensemble to 1"),
     invalid("ensemble with the FastIF prefilter", both(set_in("training.ensemble", 2), set_in("candidates.knn_k", 8)), "training.ensemble", "candidates.knn_k=8", "candidates.knn_k to null"),
+    invalid("a model setting at the top level", set_in("task", "language_modelling"), "task", "did you mean model.task?"),
+    invalid("a checkpoint at the top level", set_in("checkpoint", "model.pt"), "checkpoint", "did you mean model.checkpoint?"),
+    invalid("a 10 MB region", set_in("storage.region", "x" * 10_000_000), "storage.region", "10,000,000 characters", "not printed"),
+    invalid("a 10 MB model option", both(set_in("model.factory", "tests.plugin_models:dropout_batchnorm_mlp"), set_in("model.options", {"hidden": "x" * 10_000_000})), "model.options.hidden", "not printed"),
+    invalid("a 10 MB dataset source", set_in("dataset.source", "x" * 10_000_000), "dataset.source", "not printed"),
     invalid("negative λ of one layer", set_in("method.regularization", {"1": 1e-3, "3": -1.0}), "method.regularization.3", "Fix: set method.regularization.3 to 0.0 or more"),
 ]
 
@@ -240,6 +265,14 @@ RUNTIME_CASES = [
     Case("checkpoint missing", set_in("model.checkpoint", "/no/such/model.pt"), "model.checkpoint", ("/no/such/model.pt",), []),
     Case("dotted path that does not import", set_in("dataset", {"source": "torch", "path": "no_such_package_4d1f.data:make"}), "dataset.path", ("cannot load", "No module named"), ["prepare_data"]),
     Case("top_k above n_train", set_in("aggregate.top_k", 500), "aggregate.top_k", ("240 training examples", "at most 240"), ["prepare_data"]),
+    Case("more local workers than cores", set_in("compute", {"cluster": "local", "n_workers": 64}), "compute.n_workers", ("64 worker processes", "at most"), []),
+    Case("n_train above the rows there are", set_in("dataset.n_train", 5000), "dataset.n_train", ("n_train=5000", "1437", "at most 1437"), ["prepare_data"]),
+    Case("a model factory that raises", set_in("model", {"factory": "tests.plugin_models:raising"}), "model.factory",
+         ("tests.plugin_models:raising raised RuntimeError: no pretrained weights for this size (at ", "plugin_models.py:"), ["prepare_data"]),  # built to check the method
+    Case("a forward that returns a tuple", set_in("model", {"factory": "tests.plugin_models:tuple_output"}), "model", ("returns a tuple, not a tensor",), ["prepare_data", "fit_model"]),
+    Case("labels that are strings", string_labels, "dataset.target", ("str values such as '", "not numbers", "class indices"), ["prepare_data"]),
+    Case("fields the forward does not take", lambda c, p: token_fields(c, p, ids="tokens"), "dataset.inputs", ("unexpected keyword argument 'tokens'", "arguments of the model's forward"), ["prepare_data", "fit_model"]),
+    Case("token ids beyond the vocabulary", lambda c, p: token_fields(c, p, high=500), "model", ("raised IndexError", "index out of range", "embeddings [64]"), ["prepare_data", "fit_model"]),
     Case("unreachable scheduler", lambda c, p: set_in("compute", {"cluster": "address", "address": f"tcp://127.0.0.1:{closed_port()}"})(c, p), "compute.address", ("no Dask scheduler answers", "Connection refused"), []),
     # issue 35: each ran to the end with wrong scores before it was refused (row 30 of the file is row 24 of the
     # training split, row 54 row 9 of the held-out queries: the file's row is named)
@@ -283,6 +316,7 @@ def test_bad_input_is_refused_early(case: Case, earlier: Path, tmp_path: Path) -
     case.change(config, tmp_path)
     result = invoke(config, tmp_path)
     assert_refused(result, case.code, case.field, *case.words)
+    assert len(result.output) < 2000, "a refusal is a line or two, never a value or a parameter dict echoed"
     if case.stages is None:
         assert flow_run_to(str(earlier)) is None  # refused while parsing: no flow run at all
         return
@@ -443,4 +477,12 @@ def test_no_traceback_on_the_terminal(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stderr
     assert "dataset.path: x_train holds NaN or inf (first at row 7). Fix: " in done.stdout
     assert "Traceback" not in done.stdout + done.stderr, done.stderr
-    assert_stopped_at(str(tmp_path / "out"), ["prepare_data"])
+    run = assert_stopped_at(str(tmp_path / "out"), ["prepare_data"])
+    line = next(line for line in done.stdout.splitlines() if line.startswith("dataset.path: "))
+    assert (done.stdout + done.stderr).count(line) == 1, done.stderr  # printed once: not also by the log and the closing states
+    assert "Finished in state Failed (refused: dataset.path)" in done.stderr
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=100)
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id for r in flow_run if r.parameters.get("output_url") == str(tmp_path / "out")])))
+    assert [log.message for log in logs].count(line) == 1 and sum(line in log.message for log in logs) == 1, [log.message for log in logs]  # the API's logs hold it once, at ERROR
+    assert run.state == "FAILED"

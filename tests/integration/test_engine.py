@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, WorkerPlugin
 
 from influence_core import ConfigError
 from influence_core.pipeline import preconditioner, prepare, query_factors, scoring, storage, training
@@ -137,6 +137,24 @@ def test_a_run_session_starts_one_cluster_for_all_its_stages_and_closes_it():
     with dask_client(spec, thread_safe=False) as alone:  # outside a session: a cluster of its own, closed on exit
         assert alone is not first
     assert alone.status == "closed"
+
+
+class SlowTeardown(WorkerPlugin):
+    """A worker plugin whose teardown takes 5 s, as a worker that imported torch and zarr exits on a busy machine."""
+
+    def setup(self, worker) -> None:
+        pass
+
+    def teardown(self, worker) -> None:
+        time.sleep(5)
+
+
+def test_a_worker_slow_to_exit_is_closed_without_a_kill_warning(caplog):
+    """Every run ended with `Worker process still alive after 4.0 seconds, killing` (issue 35, item 13)."""
+    with dask_client(ComputeSpec(cluster="local", n_workers=1), thread_safe=False) as client:
+        client.register_plugin(SlowTeardown(), name="slow-teardown")
+        assert client.submit(sum, [1, 2]).result() == 3
+    assert "still alive" not in caplog.text and "killing" not in caplog.text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible: the cluster would start (seen failing on a lent H100)")

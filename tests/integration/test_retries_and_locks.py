@@ -26,6 +26,8 @@ def flaky(kind: str) -> str:
     """Fails on its first attempt with a connection error (transient) or a bad-input error (not)."""
     ATTEMPTS[kind] = ATTEMPTS.get(kind, 0) + 1
     if ATTEMPTS[kind] == 1:
+        if kind == "user code":
+            raise IndexError("index out of range in self")  # what a forward pass raises on token ids beyond its vocabulary
         raise ConnectionError("S3 endpoint reset the connection") if kind == "network" else ConfigError("aggregate.top_k", "top_k=0", "use top_k >= 1")
     return "ok"
 
@@ -44,6 +46,12 @@ def test_validation_errors_fail_at_once_without_retry():
     with pytest.raises(ConfigError, match="aggregate.top_k"):
         attempt("validation")
     assert ATTEMPTS["validation"] == 1
+
+
+def test_errors_of_the_users_code_fail_at_once_without_retry():
+    with pytest.raises(IndexError):
+        attempt("user code")
+    assert ATTEMPTS["user code"] == 1
 
 
 def test_a_stage_with_bad_input_fails_the_run_at_once(tmp_path):

@@ -107,3 +107,24 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return process.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
+
+
+def test_sigkill_of_the_cli_takes_its_temporary_server_along(tmp_path):
+    """`kill -9` runs no atexit: the temporary Prefect server the CLI started must still go (issue 35, item 9)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(slow_params(str(tmp_path / "run"), n_train=N_TRAIN).model_dump(mode="json")))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # no API: the CLI starts its own temporary server
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(REPO), "INFLUENCE_LOCK_DIR": str(tmp_path / "locks")}
+    proc = start(config, env)
+    deadline = time.time() + 300
+    servers: list[psutil.Process] = []
+    while not any(p.name().startswith("python") and "prefect.server.api.server:create_app" in " ".join(_cmdline(p)) and p.is_running() for p in servers) or not list((tmp_path / "run").glob("stages/*")):
+        assert proc.poll() is None and time.time() < deadline, "the run ended (or took 300 s) before its server and first stage"
+        servers = [p for p in descendants(proc.pid) if "uvicorn" in " ".join(_cmdline(p))]
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(servers, timeout=ALIVE_AFTER_SECONDS)
+    for orphan in alive:  # not left behind by a failing test
+        orphan.kill()
+    assert not alive, f"the temporary server outlived the CLI: {[p.pid for p in alive]}"

@@ -12,7 +12,7 @@ from influence_core import ConfigError, DirectInfluence
 from influence_core.pipeline import prepare, storage, training
 from influence_core.pipeline.aggregation import check_top_k
 from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.specs import AggregateSpec, DigitsDataset, ModelSpec, TrainingSpec
+from influence_core.pipeline.specs import AggregateSpec, DigitsDataset, HfDiskDataset, ModelSpec, TrainingSpec
 
 
 def error_fields(exc: ValidationError) -> list[str]:
@@ -93,3 +93,12 @@ def test_weights_only_checkpoint_loading_refuses_pickled_objects(tmp_path):
 def test_validate_url_normalises_local_paths(tmp_path):
     assert storage.validate_url(f"file://{tmp_path}/x/") == f"{tmp_path}/x"
     assert storage.validate_url("s3://bucket/prefix/") == "s3://bucket/prefix"
+
+
+def test_a_language_models_missing_labels_name_dataset_target(tmp_path):
+    """hf_disk token ids without a label column: the fix is dataset.target, not 'provide y_train' (issue 35, item 18)."""
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 20, "attention_mask": [[1, 1, 1]] * 20}).save_to_disk(str(tmp_path / "hf"))
+    spec = HfDiskDataset(path=str(tmp_path / "hf"), inputs=["input_ids", "attention_mask"], n_test=4)
+    with pytest.raises(ConfigError, match=r"^dataset.target: .*without the labels 'y'. Fix: set dataset.target .*dataset.target: input_ids"):
+        prepare.run(prepare.PrepareInput(spec, RunStore(output_url=str(tmp_path / "out"))))
