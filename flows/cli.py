@@ -205,6 +205,39 @@ def show(
 
 
 @app.command()
+def query(
+    run: Annotated[str, typer.Argument(help="Output URL of a finished run whose training index answers the question.")],
+    queries: Annotated[str, typer.Option(help="An .npz file of the queries: x_test and y_test (or x and y).")],
+    top: Annotated[int, typer.Option(min=1, help="Most helpful and most harmful training examples per query.")] = 5,
+    output_url: Annotated[Optional[str], typer.Option(help="Where to write the answer (a Zarr group of the top-k arrays); nothing is written when empty.")] = None,
+    endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
+) -> None:
+    """Score new queries against a finished run's training index, in this process: its model, curvature and index
+    come from the run's store, and no training gradient is evaluated."""
+    import time
+
+    from influence_core.errors import ConfigError
+    from influence_core.pipeline.loading import open_data
+    from influence_core.pipeline.publish import task_decode
+    from influence_core.pipeline.query import answer, query_arrays, run_index, write_answer
+
+    store = open_store(run, endpoint_url)
+    start = time.perf_counter()
+    try:
+        x, y = query_arrays(queries, store.options)
+        found = answer(store, x, y, top)
+        config, _, _, _, data = run_index(store)
+        if output_url:
+            write_answer(open_store(output_url, endpoint_url).influence_url, found, store.output_url, store.options)
+    except ConfigError as exc:
+        raise fail([str(exc)], 1) from None
+    rows = found.rows(open_data(data, store.options)["y_train"], x, y, task_decode(config["model"]), top)
+    print_table(rows, f"{store.output_url}: method={config['method']['name']}, new queries against its training index")
+    work = found.work
+    console.print(f"{len(y)} queries in {time.perf_counter() - start:.2f} s: {work.gradient_rows} gradient rows (the queries'), {work.index_rows} index rows read ({work.index_bytes / 1e6:.1f} MB)")
+
+
+@app.command()
 def verify(
     output_url: Annotated[str, typer.Argument(help="Output URL of a run: local path or s3://bucket/prefix.")],
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,

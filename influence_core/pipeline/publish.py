@@ -11,7 +11,7 @@ from typing import Any
 from . import damage, storage
 from ..errors import ConfigError
 from .layout import SCORE_CONVENTION
-from .refs import DataRef, ModelRef, StageRef, ValidationRef
+from .refs import DataRef, IndexRef, ModelRef, StageRef, ValidationRef
 from .specs import ModelSpec
 from .report import Decode, QueryRow, example_view, lds_line, render_report, topk_rows
 from ..version import CODE_VERSION, source_commit
@@ -161,13 +161,12 @@ def portable_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
     """The stage refs a published run records, resolved against where the output is now."""
-    types = {"prepare_data": DataRef, "fit_model": ModelRef}
+    types = {"prepare_data": DataRef, "fit_model": ModelRef, "index_training": IndexRef}
     return {name: types.get(name.split("[")[0], StageRef).model_validate(ref).moved(store.resolve) for name, ref in attrs["refs"].items()}  # fit_model[1]: a ModelRef
 
 
-def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tuple[dict[str, Any], list[QueryRow]]:
-    """A finished run's attributes and top-k rows, `n_show` examples each (None: all the run stores); a missing or
-    unfinished run, or more examples than it stores (`show --top`), is refused with a ConfigError."""
+def read_attrs(store: RunStore) -> Any:
+    """A finished run's group attributes; a missing, damaged or unfinished run is refused with a ConfigError."""
     damaged = damage.damaged_nodes(store.influence_url, store.options)
     if damaged:
         raise ConfigError("output_url", damage.describe(store.influence_url, damaged), REPAIR_FIX)
@@ -178,10 +177,18 @@ def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tupl
     status = group.attrs.get("status")
     if status != "complete":
         raise ConfigError("output_url", f"the run at {store.output_url!r} is not complete (status={status!r})", "run it again with the same parameters to finish it")
+    return group.attrs
+
+
+def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tuple[dict[str, Any], list[QueryRow]]:
+    """A finished run's attributes and top-k rows, `n_show` examples each (None: all the run stores); a missing or
+    unfinished run, or more examples than it stores (`show --top`), is refused with a ConfigError."""
+    attrs = read_attrs(store)
+    group = storage.open_group(store.influence_url, store.options, mode="r")
     stored = group["topk_helpful_indices"].shape[1]
     if n_show is not None and n_show > stored:
         raise ConfigError("--top", f"{n_show} is more than the {stored} examples per query the run stores (its top_k)", f"give --top {stored} or less, or run again with aggregate.top_k={n_show}")
-    data = stored_refs(store, group.attrs)["prepare_data"]
+    data = stored_refs(store, attrs)["prepare_data"]
     assert isinstance(data, DataRef)
-    decode = task_decode(group.attrs["config"]["model"])
-    return dict(group.attrs), query_rows(store, open_data(data, store.options), decode, n_queries, stored if n_show is None else n_show)
+    decode = task_decode(attrs["config"]["model"])
+    return dict(attrs), query_rows(store, open_data(data, store.options), decode, n_queries, stored if n_show is None else n_show)

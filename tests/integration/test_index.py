@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import zarr
 import pytest
 from sklearn.datasets import load_digits
 
@@ -101,3 +102,50 @@ def test_new_queries_reuse_the_training_side(tmp_path, prefect_api):
     assert again["validation"]["lds_per_query"] == fresh["validation"]["lds_per_query"]
     for name in ("fit_model", "fit_preconditioner"):  # the stored model and curvature, byte for byte
         assert storage.read_bytes(stages[name]["url"], {}) == storage.read_bytes(fresh["stages"][name]["url"], {}), name
+
+
+def _npz_params(tmp_path, name: str, queries: slice, **compute):
+    return small_params(
+        str(tmp_path / name), dataset={"source": "npz", "path": _digits_npz(tmp_path / f"{name}.npz", queries), "chunk_rows": 64},
+        compute={"cluster": "sequential", "train_chunk_rows": 64, **compute}, storage={"cache_url": str(tmp_path / "cache")},
+    )
+
+
+def test_query_answers_new_queries_from_the_index_alone(tmp_path, prefect_api):
+    """`influence-pipeline query` against run A's index gives the top-k a full run with those queries stores (same
+    indices, scores to rtol 1e-5), evaluating the queries' gradients alone; its answer is written as Zarr."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from influence_core.pipeline.query import answer, query_arrays
+
+    run_a = _npz_params(tmp_path, "a", slice(0, 10))
+    influence_run(**run_a.sections())
+    full = _npz_params(tmp_path, "full", slice(10, 25))
+    influence_run(**full.sections())
+    _, expected = read_outputs(full.store())
+    x, y = load_digits(return_X_y=True)
+    np.savez(tmp_path / "new.npz", x_test=x[300:][10:25].astype(np.float32), y_test=y[300:][10:25])
+    found = answer(run_a.store(), *query_arrays(str(tmp_path / "new.npz"), {}), top_k=4)
+    assert found.work.gradient_rows == 15 and found.work.index_rows == 300
+    for name in ("topk_helpful_indices", "topk_harmful_indices"):
+        np.testing.assert_array_equal(found.arrays[name], expected[name], err_msg=name)
+    for name in ("topk_helpful_scores", "topk_harmful_scores"):
+        np.testing.assert_allclose(found.arrays[name], expected[name], rtol=1e-5, atol=1e-6 * np.abs(expected[name]).max(), err_msg=name)
+    done = CliRunner().invoke(app, ["query", run_a.output_url, "--queries", str(tmp_path / "new.npz"), "--top", "4", "--output-url", str(tmp_path / "answer")])
+    assert done.exit_code == 0, done.output
+    assert "15 gradient rows (the queries')" in done.output
+    written = zarr.open_group(str(tmp_path / "answer" / "influence.zarr"), mode="r")
+    np.testing.assert_array_equal(written["argmax"][:], expected["argmax"])
+
+
+def test_query_refuses_a_run_without_an_index(tmp_path, prefect_api):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    params = _npz_params(tmp_path, "a", slice(0, 10), index_budget_gb=0)
+    influence_run(**params.sections())
+    done = CliRunner().invoke(app, ["query", params.output_url, "--queries", str(tmp_path / "a.npz")])
+    assert done.exit_code == 1
+    assert done.output.strip().splitlines() == [f"run: the run at {params.output_url} has no training index. Fix: rerun it with compute.index_budget_gb large enough (its summary.json says how large), then ask again"]
