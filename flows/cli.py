@@ -217,24 +217,17 @@ def query(
     import time
 
     from influence_core.errors import ConfigError
-    from influence_core.pipeline.loading import open_data
-    from influence_core.pipeline.publish import task_decode
-    from influence_core.pipeline.query import answer, query_arrays, run_index, write_answer
+    from influence_core.pipeline.query import ask
 
     store = open_store(run, endpoint_url)
     start = time.perf_counter()
     try:
-        x, y = query_arrays(queries, store.options)
-        found = answer(store, x, y, top)
-        config, _, _, _, data = run_index(store)
-        if output_url:
-            write_answer(open_store(output_url, endpoint_url).influence_url, found, store.output_url, store.options)
+        found, rows, method = ask(store, queries, top, open_store(output_url, endpoint_url) if output_url else None)
     except ConfigError as exc:
         raise fail([str(exc)], 1) from None
-    rows = found.rows(open_data(data, store.options)["y_train"], x, y, task_decode(config["model"]), top)
-    print_table(rows, f"{store.output_url}: method={config['method']['name']}, new queries against its training index")
+    print_table(rows, f"{store.output_url}: method={method}, new queries against its training index")
     work = found.work
-    console.print(f"{len(y)} queries in {time.perf_counter() - start:.2f} s: {work.gradient_rows} gradient rows (the queries'), {work.index_rows} index rows read ({work.index_bytes / 1e6:.1f} MB)")
+    console.print(f"{len(rows)} queries in {time.perf_counter() - start:.2f} s: {work.gradient_rows} gradient rows (the queries'), {work.index_rows} index rows read ({work.index_bytes / 1e6:.1f} MB)")
 
 
 @app.command()

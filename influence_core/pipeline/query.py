@@ -20,7 +20,7 @@ from .. import examples
 from ..errors import ConfigError
 from ..work import Work
 from .layout import DIMENSIONS
-from .loading import load_influence_model
+from .loading import load_influence_model, open_data
 from .publish import read_attrs, stored_refs, task_decode
 from .refs import DataRef, IndexRef, ModelRef
 from .report import QueryRow, topk_rows
@@ -112,6 +112,18 @@ def write_answer(url: str, answer: Answer, run_url: str, options: dict[str, Any]
         group.create_array(name, data=answer.arrays[name], dimension_names=DIMENSIONS[name])
     group.create_array("argmax", data=answer.arrays["topk_helpful_indices"][:, 0], dimension_names=DIMENSIONS["argmax"])
     group.attrs.update({"status": "complete", "run": run_url, "work": answer.work.as_dict()})
+
+
+def ask(store: RunStore, queries: str, top_k: int, output: RunStore | None = None) -> tuple[Answer, list[QueryRow], str]:
+    """The whole question: the queries of the .npz file `queries` answered from the run at `store`, written under
+    `output` when given. Returns the answer, its top-k rows (labels read as the run's task reads them) and the method."""
+    x, y = query_arrays(queries, store.options)
+    found = answer(store, x, y, top_k)
+    config, _, _, _, data = run_index(store)
+    if output is not None:
+        write_answer(output.influence_url, found, store.output_url, output.options)
+    rows = found.rows(open_data(data, store.options)["y_train"], x, y, task_decode(config["model"]), top_k)
+    return found, rows, config["method"]["name"]
 
 
 def query_arrays(path: str, options: dict[str, Any]) -> tuple[Any, np.ndarray]:

@@ -222,3 +222,32 @@ def test_deployments_and_pool_carry_concurrency_limits(deployed):
         pool = client.read_work_pool("influence-pool")
     assert {name: limit.limit for name, limit in limits.items()} == {"nightly": 1, "on-demand": 2}
     assert pool.concurrency_limit == 2
+
+
+def test_question_deployment_answers_new_queries_from_a_runs_index(deployed, tmp_path):
+    """The `question` deployment takes only a run and a file of queries: its answer (written under the run) equals
+    the library-level answer from that run's index, and it evaluates the queries' gradients alone."""
+    from sklearn.datasets import load_digits
+
+    from influence_core.pipeline.query import answer, query_arrays
+
+    params = small_params(str(tmp_path / "base"))
+    x, y = load_digits(return_X_y=True)
+    np.savez(tmp_path / "new.npz", x=(x[-9:] / 16.0).astype(np.float32), y=y[-9:])
+    with client_for(deployed) as client:
+        base = client.create_flow_run_from_deployment(client.read_deployment_by_name("influence-run/on-demand").id, parameters=params.model_dump(mode="json"))
+        final = wait_final(client, base.id)
+        assert final.state.is_completed(), f"{final.state}: {open(deployed['WORKER_LOG']).read()[-4000:]}"
+        question = client.read_deployment_by_name("influence-question/question")
+        assert question.enforce_parameter_schema and set(question.parameter_openapi_schema["properties"]) == {"run_url", "queries", "top_k", "output_url", "storage"}
+        asked = client.create_flow_run_from_deployment(question.id, parameters={"run_url": params.output_url, "queries": str(tmp_path / "new.npz"), "top_k": 3})
+        final = wait_final(client, asked.id)
+        assert final.state.is_completed(), f"{final.state}: {open(deployed['WORKER_LOG']).read()[-4000:]}"
+        result = final.state.result()
+        artifacts = {a.key for a in client.read_artifacts() if a.flow_run_id == asked.id}
+    assert "influence-question" in artifacts and result["work"]["gradient_rows"] == 9
+    store = params.store()
+    expected = answer(store, *query_arrays(str(tmp_path / "new.npz"), {}), top_k=3)
+    written = storage.open_group(result["answer"], {}, mode="r")
+    np.testing.assert_array_equal(np.asarray(written["topk_helpful_indices"][...]), expected.arrays["topk_helpful_indices"])
+    assert result["answer"].startswith(str(tmp_path / "base" / "questions"))

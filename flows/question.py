@@ -1,0 +1,33 @@
+"""The on-demand question as a flow: a UI user names a finished run and a file of new queries; the run's model,
+curvature and training index answer it, with no training gradient (`influence_core.pipeline.query`)."""
+
+from typing import Any
+
+from prefect import flow
+from pydantic import Field
+
+from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.specs import StorageSpec
+from tasks.question import answer_question
+
+from . import refusals
+
+refusals.install()  # refusals log one line, no traceback
+
+
+@flow(name="influence-question", log_prints=True, validate_parameters=True)
+def influence_question(
+    run_url: str = Field("runs/on-demand", description="Output URL of a finished run with a training index (local path or s3://bucket/prefix)."),
+    queries: str = Field(..., description="An .npz file of the new queries: x_test and y_test (or x and y), local or s3://."),
+    top_k: int = Field(5, ge=1, description="Most helpful and most harmful training examples per query."),
+    output_url: str = Field("", description="Where the answer goes (a Zarr group of top-k arrays); empty: {run_url}/questions/{flow run name}."),
+    storage: StorageSpec = StorageSpec(),
+) -> dict[str, Any]:
+    """Which training examples made the model predict this, for new queries, from an existing run's index."""
+    from prefect.runtime import flow_run
+
+    run = RunStore(output_url=run_url, storage=storage)
+    output = RunStore(output_url=output_url or run.url(f"questions/{flow_run.get_name() or 'local'}"), storage=storage)
+    answer = answer_question(run, queries, top_k, output)
+    print(f"{answer['queries']} queries answered from {run_url}'s index: {answer['work']['gradient_rows']} gradient rows (the queries'); the answer is in {answer['answer']}")
+    return answer
