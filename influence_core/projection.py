@@ -21,7 +21,7 @@ from .layers import Capture, TrackedLayer, outer_gradients
 ProjectionKind = Literal["gaussian", "rademacher", "logra"]
 
 
-def _draw(kind: str, rows: int, cols: int, key: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def draw(kind: str, rows: int, cols: int, key: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The block of Φ named by `key`, rows×cols with unit-variance entries scaled by 1/√rows: the same key
     always gives the same block, on any machine."""
     rng = np.random.default_rng(key)
@@ -70,7 +70,7 @@ class RandomProjector(Projector):
         step = self.block_columns()
         for j, lo in enumerate(range(0, flat.shape[1], step)):
             hi = min(lo + step, flat.shape[1])
-            out += flat[:, lo:hi] @ _draw(self.kind, self.dim, hi - lo, [self.seed, index, j], flat.dtype, flat.device).T
+            out += flat[:, lo:hi] @ draw(self.kind, self.dim, hi - lo, [self.seed, index, j], flat.dtype, flat.device).T
         return out
 
 
@@ -89,8 +89,8 @@ class KroneckerProjector(Projector):
     def factors(self, layer: TrackedLayer, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if index not in self._factors:
             self._factors[index] = (
-                _draw("gaussian", self.side, layer.out_dim, [self.seed, index, 0], like.dtype, like.device),
-                _draw("gaussian", self.side, layer.in_dim, [self.seed, index, 1], like.dtype, like.device),
+                draw("gaussian", self.side, layer.out_dim, [self.seed, index, 0], like.dtype, like.device),
+                draw("gaussian", self.side, layer.in_dim, [self.seed, index, 1], like.dtype, like.device),
             )
         return self._factors[index]
 

@@ -6,7 +6,7 @@ Each batch is captured once; scores and self-influences come from the same captu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -70,13 +70,14 @@ class Scorer:
             values.append(v)
         return (torch.cat(scores, dim=1) if self.scoring else None), (None if self.plan is None else torch.cat(values))
 
-    def features(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def features(self, x: torch.Tensor, y: torch.Tensor, project: Callable[[Batch], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-example features (n, p') of (x, y), what scores contract with the query factors (the training index's
-        rows), and their self-influences (None when off), from the same captures."""
+        rows), or with `project` a compressed image of them taken from the captures, and their (exact)
+        self-influences (None when off), from the same captures."""
         rows, values = [], []
         for batch in self._batches(x, y):
-            features = self.im.batch_features(batch)
-            rows.append(features)
+            features = self.im.batch_features(batch) if project is None else None
+            rows.append(project(batch) if project is not None else features)
             values.append(None if self.plan is None else self._self_influences(batch, features))
         return torch.cat(rows), (None if self.plan is None else torch.cat(values))
 

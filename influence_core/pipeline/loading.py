@@ -14,7 +14,8 @@ from . import storage
 from .. import examples
 from ..batches import ArrayBatches, Batches, TensorBatches
 from ..contraction import Rows, stream_rows
-from ..methods import InfluenceFunctionModel
+from ..index_projection import IndexProjection
+from ..methods import InfluenceFunctionModel, KfacInfluence
 from .models import load_into, load_state
 from .refs import DataRef, ModelRef, StageRef
 from .specs import MethodSpec, ModelSpec
@@ -85,3 +86,12 @@ def read_factors(im: InfluenceFunctionModel, url: str, options: dict[str, Any], 
     step = array.chunks[0]
     blocks = ((lo, torch.from_numpy(np.asarray(array[lo : lo + step])).to(device)) for lo in range(0, array.shape[0], step))
     return stream_rows(blocks, array.shape[0], split, im.row_order, im.query_rank)
+
+
+def index_projection(im: InfluenceFunctionModel, data: DataRef, options: dict[str, Any], side: int) -> IndexProjection:
+    """A compressed training index's projection for this influence model (its gradient split probed on the first
+    training rows): the same on the index's side and the queries'."""
+    arrays = open_data(data, options)
+    x, y = examples.read(arrays["x_train"], slice(0, 8)), examples.read(arrays["y_train"], slice(0, 8))
+    damped = {layer.name: im.solvers[layer.block].damped(im.objective.space.dtype) for layer in im.layers} if isinstance(im, KfacInfluence) else None  # type: ignore[attr-defined]
+    return IndexProjection(im.gradient_split(x, y), im.row_order, side, seed=0, damped=damped)

@@ -20,7 +20,7 @@ from .. import examples
 from ..errors import ConfigError
 from ..work import Work
 from .layout import DIMENSIONS
-from .loading import load_influence_model, open_data
+from .loading import index_projection, load_influence_model, open_data
 from .publish import read_attrs, stored_refs, task_decode
 from .refs import DataRef, IndexRef, ModelRef
 from .report import QueryRow, topk_rows
@@ -67,6 +67,8 @@ def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cp
     im = load_influence_model(method, model, data, curvature, store.options, device)
     xq, yq = im.objective.to_model(x, torch.as_tensor(y))
     factors = im.influence_factors(xq, yq)
+    if index.compression == "logra":
+        factors = index_projection(im, data, store.options, index.side or 0).factors(factors)
     work = im.work.copy()
     features = storage.open_array(index.array("features"), store.options)
     best = _Running(len(yq), top_k)

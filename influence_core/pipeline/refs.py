@@ -103,12 +103,15 @@ class ScoresRef(StageRef):
 
 class IndexRef(StageRef):
     """The training index (`url`: its Zarr group, with `features` (n_train, dim) and `self_influence` (n_train,)),
-    how it is stored, and the work of the pass that wrote it. `compression` is "none" (exact) or "skipped", with the
-    reason in `skipped`: scoring then recomputes training gradients."""
+    how it is stored, and the work of the pass that wrote it. `compression` is "none" (exact), "logra" (each gradient
+    matrix projected to side × side numbers, `influence_core.index_projection`), or "skipped", with the reason in
+    `skipped`: scoring then recomputes training gradients."""
 
     bytes_per_row: int
     compression: str
     skipped: str | None = None
+    side: int | None = None  # compression "logra": the projection's side per gradient matrix (seeded by `seed`)
+    seed: int = 0
     rows_per_chunk: int | None = None
     n_chunks: int = 0
     chunks_computed: int = 0

@@ -32,7 +32,7 @@ from .score_input import Member, ScoringInput, output_bytes
 from .specs import AggregateSpec
 from ..work import Work
 from ..methods import InfluenceFunctionModel
-from .loading import load_influence_model, save_tensors
+from .loading import index_projection, load_influence_model, save_tensors
 from .stage import StageLocation
 from .run_store import RunStore
 
@@ -78,9 +78,9 @@ class ScoreJob(ChunkJob):
         group = storage.open_group(self.influence_url, self.options, mode="a")
         return group["scores"], group["self_influence"] if with_self_influence else None
 
-    def self_influences(self, work: Work) -> tuple[bool, dict[str, Any]]:
-        """Before the chunks: each member's self-influence plan, made (and stored for the workers) once; whether
-        self-influences are written, and how, for the summary."""
+    def before_chunks(self, work: Work) -> tuple[bool, dict[str, Any]]:
+        """In the driver, before the chunks: each member's self-influence plan, made (and stored for the workers)
+        once; whether self-influences are written, and how, for the summary."""
         plans = [_self_influence_plan(self, member, work) for member in range(len(self.stage.members))]
         # the members share method and settings, so their plans share a form: the summary describes member 0's
         return plans[0] is not None, {"mode": self.stage.aggregate.self_influence, **describe(plans[0])}
@@ -127,11 +127,23 @@ class IndexScoreJob(ScoreJob):
         """Self-influences are copied from the index when it has them (the index computed them unless they are off)."""
         return all("self_influence" in _group(m.index, self.options) for m in self.stage.members)
 
-    def self_influences(self, work: Work) -> tuple[bool, dict[str, Any]]:
-        """Computed once with the index: copied, never recomputed (how, as the index recorded it)."""
+    def before_chunks(self, work: Work) -> tuple[bool, dict[str, Any]]:
+        """In the driver: each compressed index's query factors projected once and stored for the workers. The
+        self-influences were computed once with the index: copied, never recomputed (how, as the index recorded it)."""
+        for member, refs in enumerate(self.stage.members):
+            assert refs.index is not None
+            if refs.index.compression == "logra" and not storage.exists(self.factors_url(member), self.options):
+                stage = self.stage
+                im = load_influence_model(stage.method, refs.model, stage.data, refs.preconditioner, self.options, stage.compute.torch_device)
+                flat = torch.from_numpy(np.asarray(storage.open_array(refs.factors.url, self.options)[:])).to(im.objective.space.device)
+                save_tensors(self.factors_url(member), {"factors": index_projection(im, stage.data, self.options, refs.index.side or 0).factors(flat)}, self.options)
         index = self.stage.members[0].index
         assert index is not None
         return self.with_self_influence, {**index.self_influence, "from": "index_training"}
+
+    def factors_url(self, member: int) -> str:
+        """Member `member`'s query factors in its compressed index's coordinates."""
+        return self.path(f"index_factors_{member}.pt")
 
     def score(self, worker: "IndexScoreWorker", index: int) -> None:  # type: ignore[override]
         lo, hi = self.stage.layout.bounds(index)
@@ -154,13 +166,17 @@ class IndexScoreWorker:
 
     def __init__(self, job: IndexScoreJob) -> None:
         self.options, self.device = job.options, job.stage.compute.torch_device
-        self.members = [self._member(member) for member in job.stage.members]
+        self.members = [self._member(job, index, member) for index, member in enumerate(job.stage.members)]
         self.held = job.outputs(job.with_self_influence)
         self._work = Work()
 
-    def _member(self, member: Member) -> tuple[torch.Tensor, zarr.Array, zarr.Array | None]:
+    def _member(self, job: IndexScoreJob, index: int, member: Member) -> tuple[torch.Tensor, zarr.Array, zarr.Array | None]:
         group = _group(member.index, self.options)
-        factors = torch.from_numpy(np.asarray(storage.open_array(member.factors.url, self.options)[:])).to(self.device)
+        assert member.index is not None
+        if member.index.compression == "logra":
+            factors = load_state(job.factors_url(index), self.options, field="index_factors", device=self.device)["factors"]
+        else:
+            factors = torch.from_numpy(np.asarray(storage.open_array(member.factors.url, self.options)[:])).to(self.device)
         return factors, group["features"], group["self_influence"] if "self_influence" in group else None
 
     def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, np.ndarray | None]:
@@ -171,7 +187,7 @@ class IndexScoreWorker:
             self._work.index_rows += hi - lo
             self._work.index_bytes += block.nbytes
             self._work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
-            part = factors @ torch.from_numpy(block).to(device=self.device, dtype=factors.dtype).T
+            part = factors @ torch.from_numpy(block).to(device=self.device, dtype=factors.dtype).T  # a float16 index is widened first
             scores = part if scores is None else scores + part
             if self_influence is not None:
                 more = np.asarray(self_influence[lo:hi], dtype=np.float64)
@@ -218,7 +234,7 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
 
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
     work = Work()
-    with_self_influence, described = job.self_influences(work)
+    with_self_influence, described = job.before_chunks(work)
     group = _prepare_arrays(job, with_self_influence)
     layout = job.stage.layout
     chunks = job.pending(list(range(layout.n_tasks)))

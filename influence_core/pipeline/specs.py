@@ -534,7 +534,17 @@ class ComputeSpec(Spec):
         1.0, ge=0, title="Training index budget (GB)",
         description="Index once, query many: every training example's features (its gradient in the method's coordinates) are "
         "stored once (index_training) when n_train × dimension fits this many GB, and every later run scores its queries against "
-        "them without a training gradient. 0: no index (each run recomputes the training gradients).",
+        "them without a training gradient; larger, it is compressed (LoGra: index_side² numbers per layer, stored as index_dtype). "
+        "0: no index (each run recomputes the training gradients).",
+    )
+    index_side: int = Field(
+        64, ge=1, le=4096, title="Compressed index side",
+        description="A compressed index projects each layer's gradient matrix to index_side × index_side numbers (Φ_out G Φ_inᵀ, Gaussian, "
+        "the same on the query side): larger is closer to the exact scores and costs index_side² numbers per layer and example.",
+    )
+    index_dtype: Literal["auto", "float32", "float16"] = Field(
+        "auto", title="Index storage dtype",
+        description="auto: the model's dtype for an exact index, float16 for a compressed one; or float32, float16.",
     )
 
     @property
