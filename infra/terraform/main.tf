@@ -6,7 +6,8 @@ provider "prefect" {
 }
 
 locals {
-  entrypoint = "flows/influence_run.py:influence_run"
+  entrypoint          = "flows/influence_run.py:influence_run"
+  question_entrypoint = "flows/question.py:influence_question"
 
   # Parameters for the stack in this folder, one flow parameter per section; Prefect merges a run's parameters into
   # these section by section. Dask is reached by address, results go to an S3-compatible store.
@@ -23,7 +24,8 @@ locals {
   }
 
   # Prefect validates run parameters against this schema; regenerate it with update_parameter_schema.py.
-  parameter_schema = file("${path.module}/flow_parameter_schema.json")
+  parameter_schema          = file("${path.module}/flow_parameter_schema.json")
+  question_parameter_schema = file("${path.module}/question_parameter_schema.json")
 
   # The worker runs the entrypoint from the source kept in the project image.
   pull_steps = [
@@ -86,6 +88,28 @@ resource "prefect_deployment" "on_demand" {
   concurrency_limit        = 2
   pull_steps               = local.pull_steps
   tags                     = ["influence", "on-demand"]
+}
+
+# The on-demand question: a finished run's output URL and a file of new queries, answered from the run's training
+# index (flows/question.py); results under <run>/questions/<flow run name>.
+resource "prefect_flow" "influence_question" {
+  name = "influence-question"
+  tags = ["influence"]
+}
+
+resource "prefect_deployment" "question" {
+  name                     = "question"
+  description              = "New queries against a finished run's training index (no training gradient); results under <run>/questions."
+  flow_id                  = prefect_flow.influence_question.id
+  entrypoint               = local.question_entrypoint
+  work_pool_name           = prefect_work_pool.influence.name
+  work_queue_name          = "default"
+  enforce_parameter_schema = true
+  parameter_openapi_schema = local.question_parameter_schema
+  parameters               = jsonencode({ storage = local.stack_params.storage })
+  concurrency_limit        = 4
+  pull_steps               = local.pull_steps
+  tags                     = ["influence", "question"]
 }
 
 # Failed runs are posted to a webhook, as `python -m flows.service` does for `make serve`: a custom-webhook

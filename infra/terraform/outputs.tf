@@ -8,5 +8,6 @@ output "deployment_ids" {
   value = {
     nightly     = prefect_deployment.nightly.id
     "on-demand" = prefect_deployment.on_demand.id
+    question    = prefect_deployment.question.id
   }
 }

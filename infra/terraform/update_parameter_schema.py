@@ -1,4 +1,5 @@
-"""Regenerate flow_parameter_schema.json, the parameter schema Terraform sends with the deployments.
+"""Regenerate flow_parameter_schema.json and question_parameter_schema.json, the parameter schemas Terraform sends
+with the deployments (influence-run's and influence-question's).
 
 Prefect validates run parameters against this schema (enforce_parameter_schema = true), and `prefect deploy`
 would compute it from the flow; Terraform cannot, so it is kept here and checked for drift by
@@ -14,18 +15,21 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TARGET = Path(__file__).with_name("flow_parameter_schema.json")
+TARGETS = {"flows.influence_run:influence_run": "flow_parameter_schema.json", "flows.question:influence_question": "question_parameter_schema.json"}
 
 
 def main() -> None:
     sys.path.insert(0, str(ROOT))
+    from importlib import import_module
+
     from prefect.utilities.callables import parameter_schema
 
-    from flows.influence_run import influence_run
-
-    schema = parameter_schema(influence_run).model_dump_for_openapi()
-    TARGET.write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {TARGET.relative_to(ROOT)}")
+    for path, name in TARGETS.items():
+        module, attribute = path.split(":")
+        schema = parameter_schema(getattr(import_module(module), attribute)).model_dump_for_openapi()
+        target = Path(__file__).with_name(name)
+        target.write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {target.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

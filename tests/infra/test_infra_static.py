@@ -375,20 +375,22 @@ def test_terraform_work_pool_and_flow(tf: dict[str, Any]) -> None:
     pools = labelled(tf, "resource", "prefect_work_pool")
     assert [(p["name"], p["type"]) for p in pools.values()] == [(POOL, "process")]
     flows = labelled(tf, "resource", "prefect_flow")
-    assert [f["name"] for f in flows.values()] == ["influence-run"]
+    assert [f["name"] for f in flows.values()] == ["influence-run", "influence-question"]
 
 
 def test_terraform_deployments(tf: dict[str, Any]) -> None:
     deployments = {d["name"]: (label, d) for label, d in labelled(tf, "resource", "prefect_deployment").items()}
-    assert set(deployments) == {"nightly", "on-demand"}
+    assert set(deployments) == {"nightly", "on-demand", "question"}
     (pool_label,) = labelled(tf, "resource", "prefect_work_pool")
-    (flow_label,) = labelled(tf, "resource", "prefect_flow")
+    flow_labels = {f["name"]: label for label, f in labelled(tf, "resource", "prefect_flow").items()}
+    expected = {"influence-run": (ENTRYPOINT, "flow_parameter_schema.json"), "influence-question": ("flows/question.py:influence_question", "question_parameter_schema.json")}
     for name, (_, d) in deployments.items():
-        assert resolve(tf, d["entrypoint"]) == ENTRYPOINT, name
+        flow = "influence-question" if name == "question" else "influence-run"
+        assert resolve(tf, d["entrypoint"]) == expected[flow][0], name
         assert d["enforce_parameter_schema"] is True, name
         assert d["work_pool_name"] in (POOL, f"${{prefect_work_pool.{pool_label}.name}}"), name
-        assert d["flow_id"] == f"${{prefect_flow.{flow_label}.id}}", name
-        assert "flow_parameter_schema.json" in str(resolve(tf, d["parameter_openapi_schema"])), name
+        assert d["flow_id"] == f"${{prefect_flow.{flow_labels[flow]}.id}}", name
+        assert expected[flow][1] in str(resolve(tf, d["parameter_openapi_schema"])), name
         pull = resolve(tf, d["pull_steps"])
         assert pull[0]["type"] == "set_working_directory", name
         assert (ROOT / "infra/docker/Dockerfile").read_text().count(f"WORKDIR {resolve(tf, pull[0]['directory'])}") == 1
@@ -417,9 +419,14 @@ def test_terraform_parameter_schema_matches_the_flow() -> None:
     from flows.influence_run import influence_run
     from flows.parameters import RunParameters
 
+    from flows.question import influence_question
+
     stored = json.loads((TERRAFORM / "flow_parameter_schema.json").read_text())
     assert set(stored["properties"]) == set(RunParameters.model_fields)
     assert stored == json.loads(json.dumps(parameter_schema(influence_run).model_dump_for_openapi())), "flow_parameter_schema.json is stale: run infra/terraform/update_parameter_schema.py"
+    question = json.loads((TERRAFORM / "question_parameter_schema.json").read_text())
+    assert set(question["properties"]) == {"run_url", "queries", "top_k", "output_url", "storage"}
+    assert question == json.loads(json.dumps(parameter_schema(influence_question).model_dump_for_openapi())), "question_parameter_schema.json is stale: run infra/terraform/update_parameter_schema.py"
 
 
 def test_terraform_and_prefect_yaml_describe_the_same_deployments(tf: dict[str, Any]) -> None:
@@ -432,6 +439,9 @@ def test_terraform_and_prefect_yaml_describe_the_same_deployments(tf: dict[str, 
     for name, d in from_tf.items():
         assert d["tags"] == from_yaml[name]["tags"], name
         assert d["concurrency_limit"] == from_yaml[name]["concurrency_limit"] >= 1, name
+        if name == "question":  # the question flow's own parameters: the storage section the stack gives
+            assert "local.stack_params.storage" in d["parameters"] and "parameters" not in from_yaml[name], name
+            continue
         assert set(from_yaml[name]["parameters"]) <= set(RunParameters.model_fields), name
         assert "jsonencode(merge(local.stack_params" in d["parameters"] and "params =" not in d["parameters"], name
     assert [p["concurrency_limit"] for p in labelled(tf, "resource", "prefect_work_pool").values()] == [2]
