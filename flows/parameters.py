@@ -144,8 +144,10 @@ class RunParameters(BaseModel):
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
     def public_config(self) -> dict[str, Any]:
-        """The parameters as JSON; they hold no credentials by construction (those come from the environment)."""
-        return self.model_dump(mode="json")
+        """The parameters as JSON, the model's only with the fields that apply to it; they hold no credentials by
+        construction (those come from the environment)."""
+        return {**self.model_dump(mode="json"), "model": self.model.applied_config()}
+
 
 
 def _texts(value: Any, field: str = "") -> Iterator[tuple[str, str]]:

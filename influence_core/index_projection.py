@@ -2,7 +2,7 @@
 
 A method whose features are the gradient itself (or its rotation into a curvature eigenbasis) scores
 ⟨F_q, G_i⟩ summed over layers, F_q the query's factor and G_i the training example's gradient matrix. Projecting
-both with Φ_out (k × out) and Φ_in (k × in), entries N(0, 1/k), gives ⟨Φ_out F Φ_inᵀ, Φ_out G Φ_inᵀ⟩, an unbiased
+both with Φ_out (k × out) and Φ_in (k × in), random orthonormal rows scaled by √(n/k), gives ⟨Φ_out F Φ_inᵀ, Φ_out G Φ_inᵀ⟩, an unbiased
 estimate of each layer's term in k² numbers per example instead of out·in. The training side is projected from the
 captures (Σ_t (Φ_out g_t)(Φ_in a_t)ᵀ), never forming a per-example gradient; a cut whose captures are not one float
 input (an embedding, a tied weight), or that is whitened first, is projected from its gradient matrices. The
@@ -16,6 +16,13 @@ import torch
 from .contraction import Batch, GradientSplit, LayerCut, RowOrder, cut_gradients
 from .layers import outer_gradients
 from .projection import draw
+
+
+def orthogonal_rows(k: int, n: int, key: list[int]) -> torch.Tensor:
+    """Φ (k × n): k orthonormal rows of a seeded random rotation, scaled by √(n/k), so E[ΦᵀΦ] = I as for a Gaussian Φ,
+    with less variance (none at k = n): a side near a matrix's size keeps it nearly exactly."""
+    q, r = torch.linalg.qr(draw("gaussian", k, n, key, torch.float64, torch.device("cpu")).T)
+    return (q * torch.sign(torch.diagonal(r))).T * (n / k) ** 0.5
 
 
 class IndexProjection:
@@ -44,7 +51,7 @@ class IndexProjection:
         if index not in self._phi:
             (k_out, k_in), (out, inp) = self.sides(cut), cut.shape
             self._phi[index] = tuple(  # type: ignore[assignment]
-                torch.eye(n, dtype=like.dtype, device=like.device) if k == n else draw("gaussian", k, n, [self.seed, index, j], like.dtype, like.device)
+                torch.eye(n, dtype=like.dtype, device=like.device) if k == n else orthogonal_rows(k, n, [self.seed, index, j]).to(dtype=like.dtype, device=like.device)
                 for j, (k, n) in enumerate(((k_out, out), (k_in, inp)))
             )
         phi_out, phi_in = self._phi[index]

@@ -12,7 +12,7 @@ from . import damage, storage
 from ..errors import ConfigError
 from .layout import SCORE_CONVENTION
 from .refs import DataRef, IndexRef, ModelRef, StageRef, ValidationRef
-from .specs import ModelSpec
+from .specs import METHOD_CLASSES, ModelSpec
 from .report import Decode, QueryRow, example_view, lds_line, render_report, topk_rows
 from ..version import CODE_VERSION, source_commit
 from .loading import open_data
@@ -21,7 +21,6 @@ from .run_store import RunStore
 SCHEMA_VERSION = 1
 REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
 VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "subsets", "subsets_computed", "fraction", "queries")
-REPORT_SHOWN = 3  # most helpful and most harmful examples per query in report.png
 PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
 
 
@@ -89,22 +88,29 @@ def task_decode(model: dict[str, Any]) -> Decode:
     return ModelSpec.model_validate(model).make_task().decode
 
 
+def report_heading(config: dict[str, Any], n_show: int) -> str:
+    """The report's first line: the method that made the scores, and how many of top_k each row shows."""
+    name, top_k = config["method"]["name"], config["aggregate"]["top_k"]
+    shown = f"top {top_k}" if n_show == top_k else f"top {n_show} of top_k={top_k} (all are in influence.zarr)"
+    return f"Influence by {METHOD_CLASSES[name].title} (method {name}), {shown}"
+
+
 def publish(
     store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], n_queries: int, n_show: int, started: datetime
 ) -> tuple[dict[str, Any], list[QueryRow]]:
     """Write report.png and summary.json, then the group attributes; `status` becomes complete last. Returns the
-    summary and the first queries' rows with `n_show` examples each, for the table (the report shows REPORT_SHOWN).
+    summary and the first queries' rows with `n_show` examples each, for the table and the report.
     `started`: when the run's flow began; the summary's wall_seconds run from there to the summary."""
     data = refs["prepare_data"]
     assert isinstance(data, DataRef)
     arrays, spec = open_data(data, store.options), ModelSpec.model_validate(config["model"])
     decode = spec.make_task().decode
-    rows = query_rows(store, arrays, decode, n_queries, max(n_show, REPORT_SHOWN))
+    rows = query_rows(store, arrays, decode, n_queries, n_show)
     validation = refs.get("validate")
     validated = validation.model_dump(include=set(VALIDATION_FIELDS)) if isinstance(validation, ValidationRef) else None
     text = spec.token_inputs or (isinstance(arrays["x_test"], dict) and "input_ids" in arrays["x_test"])  # token ids: shown as text
     note = None if validated is None else lds_line(validated)
-    png = render_report([row.first(REPORT_SHOWN) for row in rows], example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, note, text, decode)
+    png = render_report(rows, example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, report_heading(config, n_show), note, text, decode)
     finished = datetime.now(timezone.utc)
     summary = {
         "status": "complete",
@@ -144,7 +150,7 @@ def publish(
             }
         )
         group.attrs["status"] = "complete"
-    return summary, [row.first(n_show) for row in rows]
+    return summary, rows
 
 
 def portable_summary(store: RunStore, summary: dict[str, Any]) -> dict[str, Any]:

@@ -135,13 +135,14 @@ def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int
     return [QueryRow(q, labels[q], neighbours("helpful", q), neighbours("harmful", q)) for q in range(n)]
 
 
-def render_report(
-    rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None, note: str | None = None, text: bool = False, decode: Decode = byte_text
-) -> bytes:
-    """PNG: one line per query: the query, then its most helpful and most harmful training examples.
+def report_figure(
+    rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None, heading: str, note: str | None = None, text: bool = False, decode: Decode = byte_text
+) -> Any:
+    """The report's matplotlib figure: one line per query: the query, then every most helpful and most harmful
+    training example the rows hold, under `heading` (the method) and `note` (the run's LDS, when validated).
 
     Images are drawn when the data are images, the decoded text when the features are token ids (`text`);
-    otherwise each example's first features are plotted. `note` (the run's LDS, when validated) goes under the title.
+    otherwise each example's first features are plotted. A constrained layout keeps the title clear of the first row.
     """
     import matplotlib
 
@@ -150,7 +151,7 @@ def render_report(
 
     n_show = len(rows[0].helpful) if rows else 0
     cols = 1 + 2 * n_show
-    fig, axes = plt.subplots(len(rows), cols, figsize=(1.6 * cols, 1.8 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(len(rows), cols, figsize=(1.6 * cols, 1.8 * len(rows) + 0.6), squeeze=False, layout="constrained")
     for r, row in enumerate(rows):
         cells = [("query", row.query, row.label, None, x_test)]
         cells += [("helpful", n.index, n.label, n.score, x_train) for n in row.helpful]
@@ -175,11 +176,18 @@ def render_report(
             ax.set_title(title, fontsize=7, color=colour)
             for spine in ax.spines.values():
                 spine.set_edgecolor(colour)
-    title = "Queries (left), most helpful (green) and most harmful (red) training examples"
-    fig.suptitle(title if note is None else f"{title}\n{note}", fontsize=9)
-    fig.tight_layout()
+    lines = [heading, "Queries (left), most helpful (green) and most harmful (red) training examples", *([] if note is None else [note])]
+    fig.suptitle("\n".join(lines), fontsize=9)
+    return fig
+
+
+def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: tuple[int, ...] | None, heading: str, note: str | None = None, text: bool = False, decode: Decode = byte_text) -> bytes:
+    """report.png (see `report_figure`); its PNG Title is the heading."""
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(rows, x_test, x_train, image_shape, heading, note, text, decode)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
+    fig.savefig(buffer, format="png", dpi=110, metadata={"Title": heading})
     plt.close(fig)
     return buffer.getvalue()
 

@@ -274,6 +274,7 @@ def float_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 TRANSFORMER_FIELDS = {"d_model", "heads", "layers", "vocab_size"}
+ARCHITECTURE_FIELDS = {"mlp": {"hidden", "activation"}, "linear": set(), "cnn": {"channels", "activation"}, "transformer": TRANSFORMER_FIELDS}  # each one's own settings
 LOSS_TASKS = {"cross_entropy": "classification", "mse": "regression"}
 
 
@@ -336,6 +337,15 @@ class ModelSpec(Spec):
         if self.task_class is None:
             excluded |= {"task_class", "task_options"}
         return self.model_dump(mode="json", exclude=excluded)
+
+    def applied_config(self) -> dict[str, Any]:
+        """The settings that shape this model, as a run records them: a factory's and its options, or the built-in
+        architecture's own fields (hidden widths for mlp, channels for cnn, the transformer's sizes); the task class's
+        only when given."""
+        used = {"factory", "options"} if self.factory is not None else {"architecture", "output_dim", *ARCHITECTURE_FIELDS[self.architecture]}
+        task = {"task_class", "task_options"} if self.task_class is not None else set()
+        common = {"loss", "task", "measurement", "checkpoint", "dtype"}
+        return self.model_dump(mode="json", include=used | task | common)
 
     @property
     def token_inputs(self) -> bool:
