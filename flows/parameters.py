@@ -149,7 +149,6 @@ class RunParameters(BaseModel):
         return {**self.model_dump(mode="json"), "model": self.model.applied_config()}
 
 
-
 def _texts(value: Any, field: str = "") -> Iterator[tuple[str, str]]:
     """Every text in a parameters tree (keys included) with the dotted name of where it sits."""
     if isinstance(value, str):
