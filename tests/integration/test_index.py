@@ -151,11 +151,11 @@ def test_query_refuses_a_run_without_an_index(tmp_path, prefect_api):
     assert done.output.strip().splitlines() == [f"run: the run at {params.output_url} has no training index. Fix: rerun it with compute.index_budget_gb large enough (its summary.json says how large), then ask again"]
 
 
-@pytest.mark.parametrize(("method", "pearson_floor", "recall_floor"), [("ekfac", 0.93, 0.75), ("identity", 0.98, 0.9)])
+@pytest.mark.parametrize(("method", "pearson_floor", "recall_floor"), [("ekfac", 0.95, 0.8), ("identity", 0.98, 0.9)])
 def test_an_index_over_budget_is_compressed_and_tracks_the_exact_scores(tmp_path, method, pearson_floor, recall_floor):
     """Over compute.index_budget_gb the index is LoGra-compressed (side 32, float16: 2,688 bytes a row against 9,640
     exact; EK-FAC's whitened in its eigenbasis) and scores without a training gradient; its scores track the exact
-    ones (measured: EK-FAC Pearson 0.945, recall@10 0.80; identity 0.989, 0.96) and self-influences stay exact."""
+    ones (measured: EK-FAC Pearson 0.974, recall@10 0.86; identity 0.994, 0.98) and self-influences stay exact."""
     compute = {"cluster": "sequential", "train_chunk_rows": 64, "index_budget_gb": 1.5e-3, "index_side": 32}
     overrides = {"method": METHODS.get(method, {"name": method}), "model": {"hidden": [32]}, "aggregate": {"top_k": 10, "report_queries": 3}}
     _, _, exact = _scores(small_params(str(tmp_path / "exact"), **overrides), with_index=False)
