@@ -1,6 +1,6 @@
 """Per-token scores of each query's top-k helpful and harmful training rows, (n_test, k, T) each: one extra gradient
-pass over only those rows (never the whole training set), in blocks of queries, each block's rows contracted
-before the sum over positions with that block's query factors alone (an ensemble: the members' mean)."""
+pass over only those 2k rows per query (never the whole training set), contracted before the sum over positions
+with that query's factor alone, so no row meets a query it is not shown for (an ensemble: the members' mean)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from ..methods.scorer import Scorer
 from .loading import load_influence_model, open_data, read_factors, train_batches
 from .score_input import ScoringInput
 from .threads import TASK_THREADS, torch_threads
-
-QUERY_BLOCK = 16  # queries whose rows are captured together: at most 2·k·16 training rows per pass
 
 
 def token_positions(data: dict[str, Any]) -> int:
@@ -51,13 +49,9 @@ def topk_token_scores(stage: ScoringInput, helpful: np.ndarray, harmful: np.ndar
         for member in stage.members:
             im = load_influence_model(stage.method, member.model, stage.data, member.preconditioner, options, stage.compute.torch_device, train)
             members.append((im, read_factors(im, member.factors.url, options, arrays["x_train"], arrays["y_train"])))
-        for lo in range(0, n_test, QUERY_BLOCK):
-            block = slice(lo, min(lo + QUERY_BLOCK, n_test))
-            picked = np.stack([helpful[block], harmful[block]])  # (2, queries, k)
-            rows, where = np.unique(picked, return_inverse=True)
+        for q in range(n_test):
+            rows = np.concatenate([helpful[q], harmful[q]])
             x, y = examples.read(arrays["x_train"], rows), examples.read(arrays["y_train"], rows)
-            total = sum(Scorer(im, query_rows(factors, block), None, per_token=True)(x, y)[0] for im, factors in members)
-            scores = (total / len(members)).detach().cpu().to(torch.float64).numpy()  # (queries, rows, T)
-            queries = np.arange(block.stop - block.start)[None, :, None]
-            out[:, block] = scores[queries, where.reshape(picked.shape)]
+            total = sum(Scorer(im, query_rows(factors, slice(q, q + 1)), None, per_token=True)(x, y)[0] for im, factors in members)
+            out[:, q] = (total[0] / len(members)).detach().cpu().numpy().reshape(2, k, positions)
     return out[0], out[1]
