@@ -107,6 +107,23 @@ def print_table(rows: list[QueryRow], title: str) -> None:
     console.print(table)
 
 
+def print_tokens(rows: list[QueryRow]) -> None:
+    """Each query, then each of its helpful and harmful passages with every token on a background shaded by its
+    score (green helpful, red harmful; each passage's strongest token fully), as report.png draws them."""
+    from influence_core.pipeline.report import passage_scale, shade
+
+    for row in rows:
+        console.print(Text(f"query {row.query}: {row.label}", style="bold"))
+        for kind, neighbours in (("helpful", row.helpful), ("harmful", row.harmful)):
+            for n in neighbours:
+                line = Text(f"  {kind:<7} #{n.index:<6} {n.score:+.3g}  ", style="green" if kind == "helpful" else "red")
+                scale = passage_scale(n.tokens)
+                for piece, score in n.tokens:
+                    r, g, b = (round(255 * c) for c in shade(score, scale))
+                    line.append(piece, style=f"black on rgb({r},{g},{b})")
+                console.print(line)
+
+
 def start_temporary_server() -> None:
     """Without PREFECT_API_URL, start Prefect's temporary server now (the one its client would start) with a watchdog
     that ends it when this process dies, even by SIGKILL, which runs no `atexit`."""
@@ -185,8 +202,9 @@ def show(
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
     queries: Annotated[int, typer.Option(min=1, help="How many queries to show.")] = 10,
     top: Annotated[Optional[int], typer.Option(min=1, show_default="all stored", help="Most helpful and most harmful examples per query, up to the run's top_k.")] = None,
+    tokens: Annotated[bool, typer.Option("--tokens", help="Print each passage with its tokens highlighted by their scores (a run with aggregate.token_scores).")] = False,
 ) -> None:
-    """Print the top-k table of a finished run."""
+    """Print the top-k table of a finished run (with --tokens, its passages highlighted token by token)."""
     from influence_core.errors import ConfigError
     from influence_core.pipeline.publish import read_run
 
@@ -196,7 +214,12 @@ def show(
     except ConfigError as exc:
         raise fail([str(exc)], 1) from None
     method = attrs.get("config", {}).get("method", {}).get("name", "?")
-    print_table(rows, f"{store.output_url}: method={method}, top training examples per query")
+    if tokens and not any(n.tokens for row in rows for n in row.helpful + row.harmful):
+        raise fail(["--tokens: the run stored no per-token scores. Fix: run it again with aggregate.token_scores: true"], 1)
+    if tokens:
+        print_tokens(rows)
+    else:
+        print_table(rows, f"{store.output_url}: method={method}, top training examples per query")
     validation = attrs.get("refs", {}).get("validate")
     if validation:
         from influence_core.pipeline.report import lds_line

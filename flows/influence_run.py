@@ -73,7 +73,7 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
         get_run_logger().warning(short)
     inputs = ScoringInput(params.compute, params.method, params.aggregate, first.model, data, first.preconditioner, first.factors, store, params.candidates, tuple(others), first.index)
     scores = run(compute_influences, inputs)
-    run(aggregate, AggregationInput(params.aggregate, scores, store))
+    run(aggregate, AggregationInput(params.aggregate, scores, store, inputs))
     if params.validation.subsets:
         run(validate_run, ValidationInput(params.validation, params.model, params.training, data, first.model, scores, store, params.compute))
     interrupts.raise_if_interrupted()

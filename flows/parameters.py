@@ -134,11 +134,13 @@ class RunParameters(BaseModel):
 
     def run_fingerprint(self) -> str:
         """What the run writes: every parameter but where it runs and stores (those never change a result: every
-        cluster kind gives the same bits) and `overwrite`; validation only when on (off, it writes nothing). Two runs
+        cluster kind gives the same bits) and `overwrite`; validation and per-token scores only when on (off, it writes nothing). Two runs
         with equal fingerprints may share an output."""
         where = {"output_url": True, "overwrite": True, "compute": set(PLACEMENT["compute"]), "storage": set(PLACEMENT["storage"])}
         if not self.validation.subsets:
             where["validation"] = True
+        if not self.aggregate.token_scores:  # off, it writes nothing: fingerprints of runs without it are unchanged
+            where["aggregate"] = {"token_scores"}
         dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config(), "model": self.model.key_config(), "training": self.training.key_config()}  # type: ignore[arg-type]
         payload = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:24]

@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 
 from . import examples
+from .errors import ConfigError
 from .layers import Capture, TrackedLayer, capture, contractible, listed_names, outer_gradients, per_example_layers, shared_parameters, tied_embeddings
 from .objective import Objective
 from .work import Work
@@ -266,15 +267,19 @@ def captured_batch(split: GradientSplit, x: examples.Inputs, y: torch.Tensor, me
     return Batch(cap, None, examples.count(x), objective.space.dtype, objective.space.device, tied)
 
 
-def contract(rows: Rows, batch: Batch, work: Work) -> torch.Tensor:
-    """Scores (rows, n): every row against every example's gradient, summed over layers (and a tied weight's shares)."""
+def contract(rows: Rows, batch: Batch, work: Work, per_token: bool = False) -> torch.Tensor:
+    """Scores (rows, n): every row against every example's gradient, summed over layers (and a tied weight's shares);
+    with `per_token`, (rows, n, T): each position t's share g_tᵀ F a_t, the contraction before its sum over t (the
+    rest's vmap gradients have no positions: the caller refuses them)."""
     out = None
     for name, layer_rows in rows.layers.items():
         for a, g in batch.shares(name):
-            part = contract_layer(layer_rows, a, g, work)
+            part = contract_layer(layer_rows, a, g, work, per_token)
+            if out is not None and part.shape != out.shape:
+                raise ConfigError("per_token", f"layer {name} runs at {part.shape[-1]} positions, the layers before it at {out.shape[-1]}", "track only layers applied at every token position (method.modules)")
             out = part if out is None else out.add_(part)
     if rows.rest is not None:
-        assert batch.rest is not None
+        assert batch.rest is not None and not per_token
         part = rows.rest @ batch.rest.T
         work.score_flops += 2.0 * rows.rest.numel() * batch.n
         out = part if out is None else out.add_(part)
@@ -282,21 +287,39 @@ def contract(rows: Rows, batch: Batch, work: Work) -> torch.Tensor:
     return out
 
 
-def contract_layer(rows: LayerRows, a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
+def contract_layer(rows: LayerRows, a: torch.Tensor, g: torch.Tensor, work: Work, per_token: bool = False) -> torch.Tensor:
     """⟨F_j, Σ_t g_t a_tᵀ⟩ for rows F_j of one layer and examples with inputs a (n, T, in), gradients g (n, T, out);
-    for an embedding, a holds the ids (n, T) and the rows are (m, V, d)."""
+    for an embedding, a holds the ids (n, T) and the rows are (m, V, d). `per_token`: (m, n, T), before the sum."""
     if not a.is_floating_point():
-        return _embedding_scores(rows, a, g, work)
+        return _embedding_scores(rows, a, g, work, per_token)
     n, positions, width = a.shape
     height = g.shape[2]
     if rows.rank is not None:
         low = rows.rank * positions * (height + width)
-        if low < height * width:
-            return _low_rank(rows.left, rows.right, a, g, work)
+        if per_token or low < height * width:
+            return _low_rank(rows.left, rows.right, a, g, work, per_token)
     dense = dense_rows(rows)
+    if per_token:
+        return _per_position(dense, a, g, work)
     if positions == 1 and n * height * width * dense.element_size() > SMALL_LAYER_BYTES:
         return _input_first(dense, a[:, 0], g[:, 0], work)
     return _materialised(dense, a, g, work)
+
+
+def _per_position(dense: torch.Tensor, a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
+    """Each position kept: X = F a_t as one GEMM (m·out, in) × (in, n·T) for a few examples at a time, then
+    Σ_out X ⊙ g_t, (m, n, T)."""
+    m, height, width = dense.shape
+    n, positions, _ = a.shape
+    out = dense.new_empty(m, n, positions)
+    step = max(1, BUDGET_BYTES // (m * height * positions * dense.element_size()))
+    flat = dense.reshape(m * height, width)
+    for lo in range(0, n, step):
+        a_block, g_block = a[lo : lo + step], g[lo : lo + step]
+        x = (flat @ a_block.reshape(-1, width).T).view(m, height, len(a_block), positions)
+        out[:, lo : lo + step] = (x * g_block.permute(2, 0, 1)).sum(1)
+    work.score_flops += 2.0 * m * n * positions * height * (width + 1)
+    return out
 
 
 def _input_first(dense: torch.Tensor, a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
@@ -330,37 +353,47 @@ def _materialised(dense: torch.Tensor, a: torch.Tensor, g: torch.Tensor, work: W
     return out
 
 
-def _low_rank(left: torch.Tensor, right: torch.Tensor, a: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
-    """Rank-r rows F = L R: score = Σ_{r,t} (L_rᵀ g_t)(R_r a_t), with (m·r, n·T) intermediates in blocks of examples."""
+def _low_rank(left: torch.Tensor, right: torch.Tensor, a: torch.Tensor, g: torch.Tensor, work: Work, per_token: bool = False) -> torch.Tensor:
+    """Rank-r rows F = L R: score = Σ_{r,t} (L_rᵀ g_t)(R_r a_t), with (m·r, n·T) intermediates in blocks of examples;
+    `per_token`: summed over r only, (m, n, T)."""
     m, height, rank = left.shape
     n, positions, width = a.shape
     lt = left.transpose(1, 2).reshape(m * rank, height)
     r = right.reshape(m * rank, width)
-    out = left.new_empty(m, n)
+    out = left.new_empty(m, n, positions) if per_token else left.new_empty(m, n)
     step = max(1, BUDGET_BYTES // (2 * m * rank * positions * left.element_size()))
     for lo in range(0, n, step):
         gs, as_ = g[lo : lo + step].reshape(-1, height), a[lo : lo + step].reshape(-1, width)
-        both = (lt @ gs.T) * (r @ as_.T)  # (m·r, rows·T)
-        out[:, lo : lo + step] = both.view(m, rank, -1, positions).sum(dim=(1, 3))
+        both = ((lt @ gs.T) * (r @ as_.T)).view(m, rank, -1, positions)
+        out[:, lo : lo + step] = both.sum(1) if per_token else both.sum(dim=(1, 3))
     work.score_flops += 2.0 * m * rank * n * positions * (height + width + 1)
     return out
 
 
-def _embedding_scores(rows: LayerRows, ids: torch.Tensor, g: torch.Tensor, work: Work) -> torch.Tensor:
+def _embedding_scores(rows: LayerRows, ids: torch.Tensor, g: torch.Tensor, work: Work, per_token: bool = False) -> torch.Tensor:
     """Rows F (m, V, d), dense or rank-r, against an embedding's per-example gradients: F[v]·(Σ_{t: id_t = v} g_t)
-    for each distinct (example, v), the rows F[v] gathered (L[v] R for rank-r rows) and reduced in blocks of pairs,
-    then summed per example; nothing of size V·d is formed (a sparse-dense product transposed the (m, V·d) rows
-    every batch: 1 s at V 50,000 against 44 ms)."""
+    for each distinct (example, v), summed per example; nothing of size V·d is formed (a sparse-dense product
+    transposed the (m, V·d) rows every batch: 1 s at V 50,000 against 44 ms). `per_token`: F[id_t]·g_t at every
+    position, (m, n, T)."""
+    if per_token:
+        n, positions = ids.shape
+        return _gathered(rows, ids.reshape(-1), g.reshape(n * positions, -1), work).T.reshape(rows.count, n, positions)
     example, token, values = token_rows(ids, g)
-    m, width = rows.count, g.shape[2]
-    step = max(1, BUDGET_BYTES // (m * width * g.element_size()))
+    return _per_example(_gathered(rows, token, values, work), example, len(ids)).T
+
+
+def _gathered(rows: LayerRows, token: torch.Tensor, values: torch.Tensor, work: Work) -> torch.Tensor:
+    """F[v_k]·values_k (K, m) for K (token, value) pairs, the rows F[v] gathered (L[v] R for rank-r rows) and
+    reduced in blocks of pairs."""
+    m, width = rows.count, values.shape[1]
+    step = max(1, BUDGET_BYTES // (m * width * values.element_size()))
     parts = []
     for lo in range(0, len(token), step):
         block = token[lo : lo + step]
         gathered = rows.dense.index_select(1, block) if rows.dense is not None else rows.left.index_select(1, block) @ rows.right
         parts.append(torch.einsum("mkd,kd->km", gathered, values[lo : lo + step]))
     work.score_flops += 2.0 * m * values.numel() * (1 if rows.rank is None else rows.rank + 1)  # the gather L[v] R, then the product
-    return _per_example(torch.cat(parts), example, len(ids)).T
+    return torch.cat(parts)
 
 
 def token_rows(ids: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from influence_core.pipeline.run_store import RunStore
 from influence_core.pipeline.runlock import exclusive_run
 from influence_core.pipeline.scoring import space_warning
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec, ModelSpec
+from influence_core.pipeline.token_scores import token_positions
 
 
 def check_run(store: RunStore, compute: ComputeSpec, model: ModelSpec, fingerprint: str, overwrite: bool) -> None:
@@ -41,7 +42,10 @@ def check_data(data: DataRef, aggregate: AggregateSpec, candidates: CandidatesSp
     check_top_k(aggregate, data.n_train)
     check_knn_k(candidates, data.n_train)
     check_method(method, model, data)
-    check_queries(model, open_data(data, store.options))
+    arrays = open_data(data, store.options)
+    check_queries(model, arrays)
+    if aggregate.token_scores:
+        token_positions(arrays)
 
 
 def begin_output(store: RunStore, fingerprint: str, overwrite: bool, data: DataRef, aggregate: AggregateSpec) -> str | None:

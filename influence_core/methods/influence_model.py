@@ -283,6 +283,21 @@ class InfluenceFunctionModel(ABC):
             return materialise(batch, self._split, self.row_order, self.objective.space.dim)
         return contract(self._basis_rows(), batch, self.objective.work).T
 
+    def check_per_token(self) -> None:
+        """Refuse per-token scores where an example's gradient has lost its positions: a projection of it, or
+        parameters on vmap per-sample gradients."""
+        if self.projector is not None:
+            raise ConfigError("per_token", f"{self.name} projects each example's gradient summed over its positions", "score per token without a projection (method.projection: null)")
+        rest = [] if self._split is None or self._split.rest is None else self._split.rest.space.names
+        if rest:
+            shown = ", ".join(rest[:3]) + (", ..." if len(rest) > 3 else "")
+            raise ConfigError("per_token", f"parameters {shown} take vmap per-sample gradients, which have no positions", "attribute only Linear/Conv1D/Embedding layers (method.modules), or use kfac/ekfac, which track only those")
+
+    def token_features(self, batch: Batch) -> torch.Tensor:
+        """Per-position features (p', n, T) of a method with a basis: its rows contracted before the sum over
+        positions (summed over T: `batch_features`ᵀ)."""
+        return contract(self._basis_rows(), batch, self.objective.work, per_token=True)
+
     def _basis_rows(self) -> Rows:
         """The solvers' feature rows, block-diagonal in parameter space, for contracting with captures."""
         if self._basis is None:
@@ -340,21 +355,23 @@ class InfluenceFunctionModel(ABC):
         """The query factors before any rank-r compression."""
         return self.precondition(self.gradient_features(x, y, measure=True))
 
-    def influences_from_factors(self, factors: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Scores (n_test, n) of the examples (x, y) on the queries behind `factors`."""
-        scores, _ = Scorer(self, factors, None)(x, y)
+    def influences_from_factors(self, factors: torch.Tensor, x: torch.Tensor, y: torch.Tensor, per_token: bool = False) -> torch.Tensor:
+        """Scores (n_test, n) of the examples (x, y) on the queries behind `factors`; `per_token`: (n_test, n, T),
+        each training position's share (docs/methods.md, "Per-token scores"), summing over T to the scores."""
+        scores, _ = Scorer(self, factors, None, per_token)(x, y)
         assert scores is not None
         return scores
 
     def influences(
-        self, x_test: torch.Tensor, y_test: torch.Tensor, x: torch.Tensor | None = None, y: torch.Tensor | None = None
+        self, x_test: torch.Tensor, y_test: torch.Tensor, x: torch.Tensor | None = None, y: torch.Tensor | None = None, per_token: bool = False
     ) -> torch.Tensor:
-        """Scores (n_test, n) of (x, y), or of the whole training set when they are omitted."""
+        """Scores (n_test, n) of (x, y), or of the whole training set when they are omitted; `per_token`: (n_test,
+        n, T), as `influences_from_factors`."""
         factors = self.influence_factors(x_test, y_test)
         if x is None or y is None:
             assert self.train is not None
-            return torch.cat([self.influences_from_factors(factors, xb, yb) for xb, yb in self.train], dim=1)
-        return self.influences_from_factors(factors, x, y)
+            return torch.cat([self.influences_from_factors(factors, xb, yb, per_token) for xb, yb in self.train], dim=1)
+        return self.influences_from_factors(factors, x, y, per_token)
 
     def self_influences(self, x: torch.Tensor, y: torch.Tensor, mode: SelfInfluenceMode = "exact", rank: int = 32) -> torch.Tensor:
         """∇ℓ(z_i)ᵀ (C + λI)⁻¹ ∇ℓ(z_i) for each example: high values flag unusual or mislabelled points. `mode`

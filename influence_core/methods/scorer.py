@@ -41,19 +41,25 @@ class ScoredModel(Protocol):
 
     def batch_features(self, batch: Batch) -> torch.Tensor: ...
 
+    def check_per_token(self) -> None: ...
+
+    def token_features(self, batch: Batch) -> torch.Tensor: ...
+
     def block_norms(self, batch: Batch, features: torch.Tensor | None) -> torch.Tensor: ...
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor: ...
 
 
 class Scorer:
-    """Callable on (x, y): (scores (n_queries, n) or None without factors, self-influences (n,) or None when off)."""
+    """Callable on (x, y): (scores (n_queries, n), or (n_queries, n, T) per training token with `per_token`, or None
+    without factors; self-influences (n,) or None when off)."""
 
-    def __init__(self, im: ScoredModel, factors: torch.Tensor | Rows | None, plan: SelfInfluencePlan) -> None:
+    def __init__(self, im: ScoredModel, factors: torch.Tensor | Rows | None, plan: SelfInfluencePlan, per_token: bool = False) -> None:
         """`factors`: flat (n_queries, p') as `influence_factors` returns them, or (for methods that contract) already
-        as per-layer rows."""
+        as per-layer rows. `per_token` scores have no self-influence beside them (`plan` None)."""
         im._require_fitted()
-        self.im, self.plan = im, plan
+        assert not (per_token and plan is not None), "per-token scores come without self-influence"
+        self.im, self.plan, self.per_token = im, plan, per_token
         self.scoring = factors is not None
         self.factors = factors if isinstance(factors, torch.Tensor) else None
         self._rows: Rows | None = factors if isinstance(factors, Rows) else None
@@ -101,11 +107,24 @@ class Scorer:
 
     def batch(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Scores and self-influences of one captured batch."""
+        if self.per_token:
+            return self._token_scores(batch), None
         features = None if self.im.contracts() else self.im.batch_features(batch)
         scores = None
         if self.scoring:
             scores = contract(self.rows(), batch, self.im.work) if features is None else self._gemm(self.factors, features)
         return scores, (None if self.plan is None else self._self_influences(batch, features))
+
+    def _token_scores(self, batch: Batch) -> torch.Tensor:
+        """Scores per training position (n_queries, n, T): the contraction before its sum over positions, with the
+        query rows, or with a basis's rows and then the factors."""
+        self.im.check_per_token()
+        if self.im.contracts():
+            return contract(self.rows(), batch, self.im.work, per_token=True)
+        assert self.factors is not None
+        features = self.im.token_features(batch)  # (p', n, T)
+        self.im.work.score_flops += 2.0 * self.factors.shape[0] * features.numel()
+        return torch.einsum("mk,knt->mnt", self.factors.to(features.dtype), features)
 
     def rows(self) -> Rows:
         """The factors as per-layer rows, built at the first batch (the split needs one); the flat copy is then

@@ -17,18 +17,29 @@ from .refs import StageRef
 from .specs import AggregateSpec
 from .stage import StageCall, StageInput, StageLocation
 from .run_store import RunStore
+from .score_input import ScoringInput
+from .token_scores import topk_token_scores
 
 
 @dataclass(frozen=True)
 class AggregationInput(StageInput[StageRef]):
-    """The aggregate spec and the scores (or candidate scores) it reduces."""
+    """The aggregate spec and the scores (or candidate scores) it reduces; with `token_scores`, the scoring stage's
+    input, whose model, curvature and query factors score the top-k rows per token."""
 
     spec: AggregateSpec
     scores: StageRef
     store: RunStore
+    scoring: ScoringInput | None = None
 
     def plan(self) -> StageCall[StageRef]:
-        return StageCall("aggregate", StageRef, {"top_k": self.spec.top_k}, {"scores": self.scores}, self.store)
+        config: dict[str, Any] = {"top_k": self.spec.top_k}
+        inputs: dict[str, Any] = {"scores": self.scores}
+        if self.spec.token_scores:  # keys of runs without it are unchanged
+            assert self.scoring is not None, "token scores need the scoring stage's input"
+            config["token_scores"] = True
+            for index, member in enumerate(self.scoring.members):
+                inputs.update(member.inputs(index))
+        return StageCall("aggregate", StageRef, config, inputs, self.store)
 
 
 def check_top_k(spec: AggregateSpec, n_train: int) -> None:
@@ -36,7 +47,8 @@ def check_top_k(spec: AggregateSpec, n_train: int) -> None:
         raise ConfigError("aggregate.top_k", f"top_k={spec.top_k} exceeds the {n_train} training examples", f"set aggregate.top_k to at most {n_train}")
 
 
-def _aggregate(spec: AggregateSpec, scores_ref: StageRef, store: RunStore, loc: StageLocation) -> dict[str, Any]:
+def _aggregate(stage: AggregationInput, loc: StageLocation) -> dict[str, Any]:
+    spec, scores_ref, store = stage.spec, stage.scores, stage.store
     group = storage.open_group(store.influence_url, store.options, mode="a")
     group.attrs["status"] = "running"  # the top-k arrays are about to be replaced
     if scores_ref.url.endswith("candidate_scores"):
@@ -52,6 +64,14 @@ def _aggregate(spec: AggregateSpec, scores_ref: StageRef, store: RunStore, loc: 
         "topk_harmful_scores": result.harmful_scores,
         "argmax": result.helpful_indices[:, 0],
     }
+    if spec.token_scores:
+        assert stage.scoring is not None
+        helpful, harmful = topk_token_scores(stage.scoring, result.helpful_indices, result.harmful_indices)
+        outputs |= {"topk_helpful_token_scores": helpful, "topk_harmful_token_scores": harmful}
+    else:
+        for stale in ("topk_helpful_token_scores", "topk_harmful_token_scores"):
+            if stale in group:
+                del group[stale]  # of an earlier configuration: never beside top-k they do not describe
     for name, values in outputs.items():
         array = group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape, overwrite=True, dimension_names=DIMENSIONS[name])
         array[...] = values
@@ -81,4 +101,4 @@ def _from_candidates(spec: AggregateSpec, group: Any, n_train: int) -> tuple[Agg
 
 def run(stage: AggregationInput) -> StageRef:
     """Reduce the scores to top-k, argmax and totals, or return the stored reduction."""
-    return stage.call.run(lambda loc: _aggregate(stage.spec, stage.scores, stage.store, loc))
+    return stage.call.run(lambda loc: _aggregate(stage, loc))

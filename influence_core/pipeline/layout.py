@@ -18,6 +18,8 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "topk_helpful_scores": ("query", "k"),
     "topk_harmful_indices": ("query", "k"),
     "topk_harmful_scores": ("query", "k"),
+    "topk_helpful_token_scores": ("query", "k", "token"),
+    "topk_harmful_token_scores": ("query", "k", "token"),
     "argmax": ("query",),
     "self_influence": ("train",),
     "train_totals": ("train",),

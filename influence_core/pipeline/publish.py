@@ -80,7 +80,7 @@ def query_rows(store: RunStore, arrays: dict[str, Any], decode: Decode, n_querie
     """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples, token ids
     read as text by `decode` (the run's task's)."""
     group = storage.open_group(store.influence_url, store.options, mode="r")
-    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, example_view(arrays["x_test"]), decode)
+    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, example_view(arrays["x_test"]), decode, example_view(arrays["x_train"]))
 
 
 def task_decode(model: dict[str, Any]) -> Decode:

@@ -19,6 +19,7 @@ class Neighbour:
     index: int
     label: Any
     score: float
+    tokens: tuple[tuple[str, float], ...] = ()  # (text, score) of each token, where the run stored per-token scores
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,34 @@ def decode_bytes(ids: Any, limit: int = TEXT_CHARS, decode: Decode = byte_text) 
     """Text of token ids by `decode` (byte-level by default): unscored ids (negative) dropped, line breaks shown as ⏎,
     other control characters as �, cut to `limit` characters."""
     values = np.asarray(ids).ravel()
-    text = decode([int(v) for v in values[values >= 0]]).replace("\n", "⏎").replace("\t", " ")
-    text = "".join(c if c.isprintable() or c == " " else "\ufffd" for c in text)
+    text = printable(decode([int(v) for v in values[values >= 0]]))
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def printable(text: str) -> str:
+    """Line breaks as ⏎, tabs as spaces, other control characters as �."""
+    text = text.replace("\n", "⏎").replace("\t", " ")
+    return "".join(c if c.isprintable() or c == " " else "\ufffd" for c in text)
+
+
+def token_pieces(ids: Any, scores: Any, decode: Decode = byte_text) -> tuple[tuple[str, float], ...]:
+    """Each token of a passage (padding, id -1, dropped) as its printable text beside its score."""
+    return tuple((printable(decode([int(i)])), float(s)) for i, s in zip(np.asarray(ids).ravel(), np.asarray(scores).ravel()) if i >= 0)
+
+
+HELPFUL_RGB, HARMFUL_RGB = (0.16, 0.63, 0.17), (0.84, 0.15, 0.16)
+
+
+def shade(score: float, scale: float) -> tuple[float, float, float]:
+    """A token's background: white blended towards green (positive) or red (negative) by |score| / scale."""
+    weight = 0.85 * min(1.0, abs(score) / scale) if scale > 0 else 0.0
+    target = HELPFUL_RGB if score > 0 else HARMFUL_RGB
+    return tuple(1.0 - weight * (1.0 - c) for c in target)  # type: ignore[return-value]
+
+
+def passage_scale(pieces: tuple[tuple[str, float], ...]) -> float:
+    """The largest |token score| of a passage: its strongest token is shaded fully."""
+    return max((abs(score) for _, score in pieces), default=0.0)
 
 
 TABLE_COLUMNS = 12  # features up to this many per example are a table row: the report shows the values
@@ -113,19 +139,24 @@ def image_of(features: np.ndarray, image_shape: tuple[int, ...] | None) -> np.nd
     return np.moveaxis((features - low) / (high - low if high > low else 1.0), 0, -1)
 
 
-def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3, x_test: Any = None, decode: Decode = byte_text) -> list[QueryRow]:
+def topk_rows(group: Any, y_train: Any, y_test: Any, n_queries: int, n_show: int = 3, x_test: Any = None, decode: Decode = byte_text, x_train: Any = None) -> list[QueryRow]:
     """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples; with
     sequence labels (language modelling) a query reads as its 'prompt|completion' text from `x_test`, token ids
-    decoded by `decode`."""
+    decoded by `decode`; with `x_train` (token ids) and stored per-token scores, each example's tokens and scores."""
     n = min(n_queries, y_test.shape[0])
-    arrays = {name: np.asarray(group[name][:n, :n_show]) for name in ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores")}
+    names = ["topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores"]
+    tokens = x_train is not None and "topk_helpful_token_scores" in group
+    names += ["topk_helpful_token_scores", "topk_harmful_token_scores"] if tokens else []
+    arrays = {name: np.asarray(group[name][:n, :n_show]) for name in names}
     needed = np.unique(np.concatenate([arrays["topk_helpful_indices"].ravel(), arrays["topk_harmful_indices"].ravel()]))
     train_labels = dict(zip(needed.tolist(), np.asarray(y_train[needed])))
+    train_ids = dict(zip(needed.tolist(), np.asarray(x_train[needed]))) if tokens else {}
     test_labels = np.asarray(y_test[:n])
 
     def neighbours(kind: str, q: int) -> list[Neighbour]:
         idx, val = arrays[f"topk_{kind}_indices"][q], arrays[f"topk_{kind}_scores"][q]
-        return [Neighbour(int(i), _label(train_labels[int(i)], decode), float(s)) for i, s in zip(idx, val)]
+        pieces = [token_pieces(train_ids[int(i)], arrays[f"topk_{kind}_token_scores"][q, j], decode) if tokens else () for j, i in enumerate(idx)]
+        return [Neighbour(int(i), _label(train_labels[int(i)], decode), float(s), p) for i, s, p in zip(idx, val, pieces)]
 
     if test_labels.ndim > 1 and x_test is not None:
         queries = np.asarray(x_test[:n])
@@ -162,7 +193,10 @@ def report_figure(
             ax.set_yticks([])
             colour = {"query": "black", "helpful": "tab:green", "harmful": "tab:red"}[kind]
             features = np.asarray(source[index])
-            if text:  # a query reads 'prompt|completion' (its label), a training example its whole window
+            neighbour = row.helpful[c - 1] if 0 < c <= n_show else row.harmful[c - 1 - n_show] if c > n_show else None
+            if neighbour is not None and neighbour.tokens:  # each token on a background shaded by its score
+                _draw_tokens(ax, neighbour.tokens)
+            elif text:  # a query reads 'prompt|completion' (its label), a training example its whole window
                 shown_text = label if kind == "query" and isinstance(label, str) else decode_bytes(features, 4 * TEXT_CHARS, decode)
                 ax.text(0.03, 0.97, "\n".join(textwrap.wrap(shown_text, 18, replace_whitespace=False)[:8]), fontsize=5.5, family="monospace", va="top", transform=ax.transAxes)
             elif (image := image_of(features, image_shape)) is not None:
@@ -177,6 +211,8 @@ def report_figure(
             for spine in ax.spines.values():
                 spine.set_edgecolor(colour)
     lines = [heading, "Queries (left), most helpful (green) and most harmful (red) training examples", *([] if note is None else [note])]
+    if any(n.tokens for row in rows for n in row.helpful + row.harmful):
+        lines.insert(2, "each token shaded by its score: green raised the query's completion, red lowered it (strongest token of each passage fully shaded)")
     fig.suptitle("\n".join(lines), fontsize=9)
     return fig
 
@@ -190,6 +226,22 @@ def render_report(rows: list[QueryRow], x_test: Any, x_train: Any, image_shape: 
     fig.savefig(buffer, format="png", dpi=110, metadata={"Title": heading})
     plt.close(fig)
     return buffer.getvalue()
+
+
+TOKEN_COLUMNS, TOKEN_LINES = 16, 8  # a passage's grid of characters in its cell
+
+
+def _draw_tokens(ax: Any, pieces: tuple[tuple[str, float], ...]) -> None:
+    """A passage as a grid of characters, each on its token's shade (`shade`), wrapped at TOKEN_COLUMNS."""
+    from matplotlib.patches import Rectangle
+
+    scale, cells = passage_scale(pieces), [(char, score) for text, score in pieces for char in text]
+    lines = min(TOKEN_LINES, -(-len(cells) // TOKEN_COLUMNS))
+    width, height = 1 / TOKEN_COLUMNS, 1 / max(lines, 4)
+    for k, (char, score) in enumerate(cells[: lines * TOKEN_COLUMNS]):
+        x, y = (k % TOKEN_COLUMNS) * width, 1 - (k // TOKEN_COLUMNS + 1) * height
+        ax.add_patch(Rectangle((x, y), width, height, facecolor=shade(score, scale), edgecolor="none", transform=ax.transAxes))
+        ax.text(x + width / 2, y + height / 2, char, ha="center", va="center", fontsize=8, family="monospace", transform=ax.transAxes)
 
 
 def lds_line(validation: dict[str, Any]) -> str:

@@ -580,6 +580,12 @@ class AggregateSpec(Spec):
     )
     self_influence_rank: int = Field(32, ge=1, title="Self-influence rank", description="Rank of the lowrank estimate (auto uses at most half the number of queries, at least 4).")
     report_queries: int = Field(6, ge=1, le=50, title="Queries in report", description="Queries shown in report.png and in the top-k table.")
+    token_scores: bool = Field(
+        False, title="Per-token scores",
+        description="Language models: also store each query's top-k helpful and harmful examples' scores per training token "
+        "(topk_helpful_token_scores, topk_harmful_token_scores, (n_test, k, T)), by one extra gradient pass over only those rows; "
+        "the report shades each token by its score.",
+    )
 
 
 class ValidationSpec(Spec):

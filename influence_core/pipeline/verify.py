@@ -16,6 +16,7 @@ from . import damage, storage
 from .run_store import RunStore
 
 RTOL = 1e-5  # float32 scores: stored aggregates may differ from a recomputation by a few ulps
+TOKEN_RTOL = 1e-4  # per-token scores, recomputed in float32 and summed in another order: of Σ_t |token score|
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ def verify_run(store: RunStore) -> list[Check]:
         if ok:
             arrays[name] = node
     checks.append(_fingerprints(attrs, arrays))
+    checks += [_token_sums(group, kind, arrays) for kind in ("helpful", "harmful") if f"topk_{kind}_token_scores" in group]
     if knn_k is not None:
         if not {"candidate_indices", "candidate_scores"} <= set(arrays):
             return [*checks, Check("aggregates", False, "no valid candidate arrays to check them against")]
@@ -84,6 +86,21 @@ def verify_run(store: RunStore) -> list[Check]:
     if "scores" not in arrays:
         return [*checks, Check("aggregates", False, "no valid scores array to check them against")]
     return [*checks, *_against_scores(arrays, k)]
+
+
+def _token_sums(group: zarr.Group, kind: str, arrays: dict[str, zarr.Array]) -> Check:
+    """Each top-k row's per-token scores sum to its sequence score (float32: within TOKEN_RTOL of Σ_t |s_t|)."""
+    name, scores = f"topk_{kind}_token_scores", arrays.get(f"topk_{kind}_scores")
+    tokens = group[name]
+    if scores is None or tuple(tokens.shape[:2]) != tuple(scores.shape) or str(tokens.dtype) != "float32":
+        return Check(name, False, f"{tuple(tokens.shape)} {tokens.dtype}, expected (n_test, k, T) float32 beside topk_{kind}_scores")
+    values, expected = np.asarray(tokens[...], dtype=np.float64), np.asarray(scores[...], dtype=np.float64)
+    error = np.abs(values.sum(2) - expected)
+    bad = np.argwhere(~(error <= TOKEN_RTOL * np.abs(values).sum(2) + RTOL * np.abs(expected) + np.finfo(np.float32).tiny))
+    if bad.size:
+        q, j = bad[0]
+        return Check(name, False, f"query {q}, rank {j}: tokens sum to {values[q, j].sum():.6g}, score {expected[q, j]:.6g} ({len(bad)} rows differ)")
+    return Check(name, True, f"{tuple(tokens.shape)}: every row sums to its score (worst {error.max(initial=0):.2g})")
 
 
 def _summary(store: RunStore) -> Check:
