@@ -20,6 +20,7 @@ from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, Compute
 
 FINGERPRINT = "{fingerprint}"  # in output_url: the run's parameter fingerprint, so each question has its own output
 PLACEMENT = {"compute": ("cluster", "address", "device", "n_workers", "allow_multithreaded_workers"), "storage": ("endpoint_url", "region", "cache_url")}
+INDEX_FIELDS = ("index_budget_gb", "index_side", "index_dtype")  # the training index's options: hashed when not at their defaults
 MAX_TEXT_CHARS = 4096  # a path, URL, name or option longer than this is a mistake (PATH_MAX is 4096)
 MAX_PARAMETERS_BYTES = 524_288  # Prefect's server refuses a flow run whose parameters' JSON is larger (server.api.max_parameter_size)
 
@@ -134,13 +135,15 @@ class RunParameters(BaseModel):
 
     def run_fingerprint(self) -> str:
         """What the run writes: every parameter but where it runs and stores (those never change a result: every
-        cluster kind gives the same bits) and `overwrite`; validation and per-token scores only when on (off, it writes nothing). Two runs
+        cluster kind gives the same bits) and `overwrite`; validation and per-token scores only when on (off, it writes nothing), the index's options only when not at their defaults. Two runs
         with equal fingerprints may share an output."""
         where = {"output_url": True, "overwrite": True, "compute": set(PLACEMENT["compute"]), "storage": set(PLACEMENT["storage"])}
         if not self.validation.subsets:
             where["validation"] = True
         if not self.aggregate.token_scores:  # off, it writes nothing: fingerprints of runs without it are unchanged
             where["aggregate"] = {"token_scores"}
+        defaults = ComputeSpec()
+        where["compute"] |= {name for name in INDEX_FIELDS if getattr(self.compute, name) == getattr(defaults, name)}  # the index's defaults: fingerprints from before it are unchanged
         dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config(), "model": self.model.key_config(), "training": self.training.key_config()}  # type: ignore[arg-type]
         payload = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
