@@ -113,6 +113,7 @@ def _garbage(path: Path) -> None:
 DAMAGE = {
     "score shard deleted": ("influence.zarr/scores/c/0/1", Path.unlink, "compute_influences", 1),
     "self-influence chunk deleted": ("influence.zarr/self_influence/c/2", Path.unlink, "compute_influences", 1),
+    "training index chunk deleted": ("stages/index_training/*/index.zarr/features/c/1/0", Path.unlink, "index_training", 0),
     "model.pt truncated": ("stages/fit_model/*/model.pt", _truncate, "fit_model", 0),
     "model.pt overwritten in place": ("stages/fit_model/*/model.pt", _scramble, "fit_model", 0),
     "curvature.pt truncated": ("stages/fit_preconditioner/*/curvature.pt", _truncate, "fit_preconditioner", 0),
@@ -146,7 +147,8 @@ def test_damaged_output_is_detected_and_recomputed(case, tmp_path):
     assert set(outcomes.values()) <= {"cached", "found complete"}  # only the damaged stage ran again
     if stage == "compute_influences":
         assert summary["stages"][stage]["chunks_computed"] == chunks  # the chunk whose shard was gone, despite its marker (all: the array's metadata)
-        assert summary["stages"][stage]["gradient_rows"] == 64 * chunks - 16 * (chunks == 4)  # 240 rows in chunks of 64
+        work = summary["stages"][stage]["work"]  # the rows come from the training index: none's gradient is evaluated
+        assert summary["stages"][stage]["gradient_rows"] == 0 and work["index_rows"] == 64 * chunks - 16 * (chunks == 4)  # 240 rows in chunks of 64
     assert assert_same_outputs(params.store(), expected).attrs["status"] == "complete"  # identical, never NaN or stale
 
 
