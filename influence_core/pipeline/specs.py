@@ -578,7 +578,7 @@ class AggregateSpec(Spec):
         "auto: exact where it costs at most about half of scoring (direct with few parameters, arnoldi, nystroem, identity, "
         "K-FAC/EK-FAC, projections), else lowrank; off: not computed.",
     )
-    self_influence_rank: int = Field(32, ge=1, title="Self-influence rank", description="Rank of the lowrank estimate (auto uses at most half the number of queries, at least 4).")
+    self_influence_rank: int = Field(32, ge=1, title="Self-influence rank", description="Rank of the lowrank estimate (auto without a training index uses at most half the number of queries, at least 4; with one, this rank).")
     report_queries: int = Field(6, ge=1, le=50, title="Queries in report", description="Queries shown in report.png and in the top-k table.")
     token_scores: bool = Field(
         False, title="Per-token scores",

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from flows.influence_run import influence_run
-from influence_core.self_influence import auto_rank
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -33,7 +32,7 @@ AUTO_SKETCHED = {"cg", "lissa", "datainf"}  # exact self-influence would be a so
 @pytest.mark.parametrize("method", list(METHODS))
 def test_method_through_pipeline_equals_library(tmp_path, method, dask_address):
     """Scores, and self-influence in the pipeline's default mode (`auto`): exact for most methods, the sketch of rank
-    auto_rank(32, n_queries) for CG, LiSSA and DataInf, each equal to the library's own."""
+    self_influence_rank (32) for CG, LiSSA and DataInf, computed with the training index, each equal to the library's own."""
     compute = {"cluster": "address", "address": dask_address, "train_chunk_rows": 64} if method.startswith("ekfac") else {"cluster": "sequential", "train_chunk_rows": 64}
     params = small_params(str(tmp_path / method.replace(" ", "_")), method=METHODS[method], compute=compute)
     summary = influence_run(**params.sections())
@@ -44,7 +43,7 @@ def test_method_through_pipeline_equals_library(tmp_path, method, dask_address):
     im = params.method.build(model, "cross_entropy").fit((data["x_train"], data["y_train"]))
     expected = im.influences(data["x_test"], data["y_test"], data["x_train"], data["y_train"]).numpy()
     np.testing.assert_allclose(arrays["scores"], expected, rtol=1e-3, atol=1e-4 * np.abs(expected).max())
-    rank = auto_rank(params.aggregate.self_influence_rank, len(data["x_test"]))
+    rank = params.aggregate.self_influence_rank  # written with the training index, before any query: auto's sketch is not bounded by the queries
     mode, planned = ("lowrank", {"form": "sketch", "rank": rank}) if params.method.name in AUTO_SKETCHED else ("exact", {})
     assert summary["stages"]["compute_influences"]["self_influence"].items() >= {"mode": "auto", **planned}.items()
     np.testing.assert_allclose(arrays["self_influence"], im.self_influences(data["x_train"], data["y_train"], mode=mode, rank=rank).numpy(), rtol=1e-3, atol=1e-5)
