@@ -92,7 +92,9 @@ def report_heading(config: dict[str, Any], n_show: int) -> str:
     """The report's first line: the method that made the scores, and how many of top_k each row shows."""
     name, top_k = config["method"]["name"], config["aggregate"]["top_k"]
     shown = f"top {top_k}" if n_show == top_k else f"top {n_show} of top_k={top_k} (all are in influence.zarr)"
-    return f"Influence by {METHOD_CLASSES[name].title} (method {name}), {shown}"
+    projection = config["method"].get("projection")
+    projected = f", gradients projected ({projection['kind']}, dim {projection['dim']})" if projection else ""
+    return f"Influence by {METHOD_CLASSES[name].title.split(' (')[0]} (method {name}{projected}), {shown}"  # the form's title without its aside
 
 
 def publish(
