@@ -24,6 +24,7 @@ from .losses import LossName
 from .transformer import TokenTransformer
 from ..projection import Projection
 from ..task import BUILTIN, Classification, Task
+from ..training import AdamRecipe
 from ..methods import METHODS, InfluenceFunctionModel
 from ..methods.options import group_fields
 
@@ -422,6 +423,10 @@ class TrainingSpec(Spec):
         """The settings as stage keys and the run fingerprint hash them: `ensemble` only above 1, so the runs stored
         before it existed keep their keys."""
         return self.model_dump(mode="json", exclude=None if self.ensemble > 1 else {"ensemble"})
+
+    def recipe(self) -> AdamRecipe:
+        """The library's recipe that fit_model trains with (and MAGIC replays)."""
+        return AdamRecipe(self.epochs, self.batch_size, self.learning_rate, self.weight_decay, self.seed)
 
     def member(self, index: int) -> "TrainingSpec":
         """How ensemble member `index` is trained: alone, with seed + index (member 0 is the single model)."""
