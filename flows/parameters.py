@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from influence_core.pipeline import storage
 from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.metagradients import check_magic
 from influence_core.pipeline.training import check_ensemble
 from influence_core.pipeline.validation import check_validate
 from influence_core.errors import ConfigError
@@ -88,6 +89,12 @@ class RunParameters(BaseModel):
     @model_validator(mode="after")
     def _validation_can_retrain(self) -> "RunParameters":
         check_validate(self.validation, self.model)
+        return self
+
+    @model_validator(mode="after")
+    def _magic_can_replay(self) -> "RunParameters":
+        if self.method.name == "magic":
+            check_magic(self.model, self.training, self.aggregate, self.candidates)
         return self
 
     @model_validator(mode="after")

@@ -117,7 +117,7 @@ def publish(
         "n_train": data.n_train,
         "n_test": data.n_test,
         "task": spec.attributed_task,  # resolved: never auto
-        "parameters": refs["fit_preconditioner"].parameters,  # which of the model's parameters the scores are over
+        "parameters": refs.get("fit_preconditioner", refs["compute_influences"]).parameters,  # which of the model's parameters the scores are over (magic: its scoring stage)
         **({} if validated is None else {"validation": validated}),
         "stages": stages,
         "config": config,

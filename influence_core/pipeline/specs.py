@@ -508,7 +508,26 @@ IdentityMethod = METHOD_SPECS["identity"]
 KfacMethod = METHOD_SPECS["kfac"]
 EkfacMethod = METHOD_SPECS["ekfac"]
 
-MethodSpec = Annotated[Union[tuple(METHOD_SPECS.values())], Field(discriminator="name"), _AnyOfSchema()]
+
+
+class MagicMethod(Spec):
+    """MAGIC: exact metagradients through the pipeline's own training (influence_core.magic), no curvature at all."""
+
+    model_config = ConfigDict(title="MAGIC (metagradients through training)")
+
+    name: Literal["magic"] = Field(
+        "magic", title="Method",
+        description="Exact metagradients: each query's measurement differentiated in every training example's loss weight by reverse mode "
+        "through every Adam step of fit_model's training, replayed from its seed. Needs the pipeline's own training (no model.checkpoint).",
+    )
+    query_block: int = Field(16, ge=1, title="Queries per block", description="Queries whose cotangents one reverse pass carries together: one Dask task each, cached and resumed like a score chunk.")
+    checkpoint_every: int | None = Field(
+        None, ge=1, title="Checkpoint every (steps)",
+        description="Keep the training state every this many steps and recompute the steps in between; empty: ⌈√T⌉ for T steps, so memory grows as √T.",
+    )
+
+
+MethodSpec = Annotated[Union[(*METHOD_SPECS.values(), MagicMethod)], Field(discriminator="name"), _AnyOfSchema()]
 
 
 # -- compute ---------------------------------------------------------------------------------------------
