@@ -580,7 +580,7 @@ class AggregateSpec(Spec):
         description="exact: ∇ℓᵀ(C+λI)⁻¹∇ℓ per training example (for cg, lissa and datainf one solve per example: expensive); "
         "lowrank: exact in the curvature's top eigenspace, the rest at its mean eigenvalue; "
         "auto: exact where it costs at most about half of scoring (direct with few parameters, arnoldi, nystroem, identity, "
-        "K-FAC/EK-FAC, projections), else lowrank; off: not computed.",
+        "K-FAC/EK-FAC, projections), else lowrank; off: not computed. Method magic computes none (auto means off there).",
     )
     self_influence_rank: int = Field(32, ge=1, title="Self-influence rank", description="Rank of the lowrank estimate (auto uses at most half the number of queries, at least 4).")
     report_queries: int = Field(6, ge=1, le=50, title="Queries in report", description="Queries shown in report.png and in the top-k table.")
