@@ -13,6 +13,7 @@ from influence_core.errors import ConfigError
 from influence_core.magic import metagradients
 from influence_core.pipeline import metagradients as magic_stage, prepare, storage, training
 from influence_core.pipeline.cluster import dask_client
+from influence_core.pipeline.verify import verify_run
 from tests.helpers import read_outputs, small_params
 
 OVERRIDES = {
@@ -45,6 +46,7 @@ def test_flow_scores_equal_the_library_metagradients(tmp_path, prefect_api):
     steps = params.training.recipe().steps(48)  # 2 epochs of 3 batches
     assert stage["n_chunks"] == stage["chunks_computed"] == 2 and stage["self_influence"]["mode"] == "off"
     assert stage["work"]["replayed_steps"] == 2 * (steps + (steps - 2) + steps)  # per block: T forward, T - T/k recomputed (k = ⌈√6⌉ = 3), T reverse
+    assert [check.name for check in verify_run(params.store()) if not check.ok] == []  # self_influence absent, as switched off
     assert "fit_preconditioner" not in summary["stages"] and summary["parameters"]["included"]["tensors"] == 4
 
 
