@@ -147,6 +147,8 @@ class RunParameters(BaseModel):
         if not self.validation.subsets:
             where["validation"] = True
         dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config(), "model": self.model.key_config(), "training": self.training.key_config()}  # type: ignore[arg-type]
+        if self.validation.subsets:
+            dumped["validation"] = self.validation.key_config()
         payload = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 

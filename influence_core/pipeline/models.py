@@ -121,10 +121,10 @@ def probe_forward(objective: Objective, spec: ModelSpec, x: Any, y: torch.Tensor
         raise ConfigError("model", f"the forward pass of {name} returns a {type(out).__name__}, not a tensor", "return the outputs (e.g. the logits) as one tensor, or a Hugging Face output with .logits; wrap the model to pick them")
 
 
-def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any) -> None:
-    """Fit with the recipe of `training` (influence_core.training: Adam, L2 weight decay, the seeded batch schedule),
-    leaving the model in eval mode (`evaluate` measures it)."""
-    fit(model, spec.make_task(), training.recipe(), x, y)
+def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any, weights: torch.Tensor | None = None) -> None:
+    """Fit with the recipe of `training` (influence_core.training: Adam, L2 weight decay, the seeded batch schedule;
+    `weights`: per-row loss weights), leaving the model in eval mode (`evaluate` measures it)."""
+    fit(model, spec.make_task(), training.recipe(), x, y, weights)
 
 
 def evaluate(model: nn.Module, task: Task, x: Any, y: Any, split: str) -> dict[str, float]:

@@ -600,6 +600,16 @@ class ValidationSpec(Spec):
     fraction: float = Field(0.5, gt=0, lt=1, title="Subset fraction", description="Share of the training examples in each subset.")
     queries: int = Field(20, ge=1, title="Queries", description="The first this many queries are measured (all if fewer).")
     seed: int = Field(0, ge=0, title="Seed", description="Seed of the subsets' draw (training itself uses training.seed).")
+    counterfactual: Literal["rebatch", "weights"] = Field(
+        "rebatch", title="Subset training",
+        description="How a subset is retrained: rebatch, its rows alone in the batch schedule of a training set of that size; "
+        "weights, every batch of the full run kept with the removed rows' losses weighted 0 (the counterfactual method magic linearises).",
+    )
+
+    def key_config(self) -> dict[str, Any]:
+        """The settings as stage keys and the run fingerprint hash them: `counterfactual` only when not rebatch, so
+        the validations stored before it existed keep their keys."""
+        return self.model_dump(mode="json", exclude=None if self.counterfactual != "rebatch" else {"counterfactual"})
 
     @field_validator("subsets")
     @classmethod

@@ -86,8 +86,11 @@ def retrained_model(job: ValidationJob, index: int, arrays: dict[str, Any]) -> t
         except ConfigError:  # not stored yet, or cut short by a crash
             pass
         mask = subset_mask(job.spec, index, job.data.n_train)
-        x, y = examples.map_inputs(arrays["x_train"], lambda a: np.asarray(a[...])[mask]), np.asarray(arrays["y_train"][...])[mask]
-        train(model, job.model, job.training, x, y)
+        if job.spec.counterfactual == "weights":  # every batch of the full run, the removed rows weighted 0
+            train(model, job.model, job.training, arrays["x_train"], arrays["y_train"], torch.from_numpy(mask))
+        else:
+            x, y = examples.map_inputs(arrays["x_train"], lambda a: np.asarray(a[...])[mask]), np.asarray(arrays["y_train"][...])[mask]
+            train(model, job.model, job.training, x, y)
     storage.write_bytes(job.model_url(index), state_bytes(model), job.options)
     return model, True
 
@@ -152,8 +155,13 @@ def _validate(job: ValidationJob, scores: StageRef, store: RunStore, client_fact
     return {
         "url": url, "fingerprint": loc.key, "shape": (job.queries,), "dtype": "float64", **result,
         "subsets": job.spec.subsets, "subsets_computed": len(pending), "fraction": job.spec.fraction, "queries": job.queries,
-        "work": {"trainings": trained, "training_rows": trained * int(masks[0].sum()) * job.training.epochs, "measured_subsets": len(pending)},
+        "work": {"trainings": trained, "training_rows": trained * _rows_trained(job, masks[0]) * job.training.epochs, "measured_subsets": len(pending)},
     }
+
+
+def _rows_trained(job: ValidationJob, mask: np.ndarray) -> int:
+    """Rows one retraining passes over per epoch: the subset's, or every row (the removed ones weighted 0)."""
+    return job.data.n_train if job.spec.counterfactual == "weights" else int(mask.sum())
 
 
 def _finite(value: float) -> float | None:
@@ -175,14 +183,14 @@ class ValidationInput(StageInput[ValidationRef]):
     compute: ComputeSpec
 
     def plan(self) -> StageCall[ValidationRef]:
-        config = {"validate": self.spec.model_dump(mode="json"), "model": self.model_spec.model_dump(mode="json"), "training": self.training.key_config()}
+        config = {"validate": self.spec.key_config(), "model": self.model_spec.model_dump(mode="json"), "training": self.training.key_config()}
         return StageCall("validate", ValidationRef, config, {"data": self.data, "model": self.model, "scores": self.scores}, self.store, self.compute.torch_threads)
 
     @property
     def models_url(self) -> str:
         """Where the retrained models live: keyed on the training side, the recipe and the subsets' draw alone (never
         the queries or the scores), so every run over the same training rows shares them."""
-        draw = self.spec.model_dump(mode="json", include={"fraction", "seed"})
+        draw = {name: value for name, value in self.spec.key_config().items() if name in ("fraction", "seed", "counterfactual")}
         config = {"model": self.model_spec.model_dump(mode="json"), "training": self.training.key_config(), "subsets": draw, "threads": self.compute.torch_threads}
         return storage.join(self.store.cache_url, "retrain", stage_key("retrain", config, {"train": self.data.training}))
 

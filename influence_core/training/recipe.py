@@ -40,9 +40,10 @@ class AdamRecipe:
         return self.epochs * self.schedule(n_rows).steps_per_epoch()
 
 
-def train(model: nn.Module, task: Task, recipe: AdamRecipe, x: Any, y: Any) -> None:
+def train(model: nn.Module, task: Task, recipe: AdamRecipe, x: Any, y: Any, weights: torch.Tensor | None = None) -> None:
     """Fit the model from its current weights with the recipe, reading one block of rows at a time, and leave it in
-    eval mode."""
+    eval mode. `weights` (n,): each batch's loss is Σ w_i ℓ_i / batch size in the same schedule (MAGIC's
+    counterfactual: weight 0 removes a row and keeps every batch); None: the task's mean loss."""
     objective = Objective(model, task)
     optimiser = torch.optim.Adam(model.parameters(), lr=recipe.learning_rate, betas=recipe.betas, eps=recipe.eps, weight_decay=recipe.weight_decay)
     rows = ArrayBatches(x, y, recipe.block_rows)
@@ -52,6 +53,8 @@ def train(model: nn.Module, task: Task, recipe: AdamRecipe, x: Any, y: Any) -> N
             xs, ys = objective.to_model(*rows.rows(block.start, block.stop))
             for idx in block.batches:
                 optimiser.zero_grad()
-                task.mean_loss(task.output(examples.call(model, examples.take(xs, idx))), ys[idx]).backward()
+                outputs = task.output(examples.call(model, examples.take(xs, idx)))
+                loss = task.mean_loss(outputs, ys[idx]) if weights is None else (task.loss(outputs, ys[idx]) * weights[block.start + idx].to(outputs)).mean()
+                loss.backward()
                 optimiser.step()
     model.eval()

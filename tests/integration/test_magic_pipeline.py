@@ -6,13 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from scipy.stats import spearmanr
 
 from flows.influence_run import influence_run
 from flows.parameters import RunParameters
 from influence_core.errors import ConfigError
 from influence_core.magic import metagradients
+from influence_core.magic.replay import Replay
 from influence_core.pipeline import metagradients as magic_stage, prepare, storage, training
 from influence_core.pipeline.cluster import dask_client
+from influence_core.pipeline.validation import subset_mask
 from influence_core.pipeline.verify import verify_run
 from tests.helpers import read_outputs, small_params
 
@@ -32,8 +36,25 @@ def _library_scores(params: RunParameters, arrays: dict[str, np.ndarray]) -> np.
     return metagradients(model, params.model.make_task(), params.training.recipe(), x, y, xq, yq).scores.numpy()
 
 
+def _weights_lds(params: RunParameters, arrays: dict[str, np.ndarray], scores: np.ndarray) -> list[float]:
+    """Per query, the LDS of `scores` against models retrained by the replay with each subset's removed rows weighted
+    0, their query losses by F.cross_entropy, ranked by scipy."""
+    spec, n = params.validation, len(arrays["y_train"])
+    masks = [subset_mask(spec, i, n) for i in range(spec.subsets)]
+    measured = []
+    for mask in masks:
+        torch.manual_seed(params.training.seed)
+        replay = Replay(params.model.build(64, 10, (64,)).double(), params.model.make_task(), params.training.recipe(), arrays["x_train"], arrays["y_train"])
+        final = replay.checkpoints(torch.from_numpy(mask).double())[1].params
+        logits = torch.func.functional_call(replay.objective.model, final, (torch.from_numpy(arrays["x_test"][: spec.queries]).double(),))
+        measured.append(F.cross_entropy(logits, torch.from_numpy(arrays["y_test"][: spec.queries]), reduction="none").detach().numpy())
+    predicted = -(np.stack(masks).astype(np.float64) @ scores[: spec.queries].astype(np.float64).T)
+    return [spearmanr(predicted[:, q], np.stack(measured)[:, q]).statistic for q in range(spec.queries)]
+
+
 def test_flow_scores_equal_the_library_metagradients(tmp_path, prefect_api):
-    params = small_params(str(tmp_path / "run"), compute={"cluster": "local", "n_workers": 2}, **OVERRIDES)
+    validation = {"subsets": 4, "fraction": 0.9, "queries": 6, "counterfactual": "weights"}
+    params = small_params(str(tmp_path / "run"), compute={"cluster": "local", "n_workers": 2}, validation=validation, **OVERRIDES)
     summary = influence_run(**params.sections())
     _, outputs = read_outputs(params.store())
     arrays = {name: np.asarray(a[...]) for name, a in storage.open_group(summary["stages"]["prepare_data"]["url"], {}, mode="r").arrays()}
@@ -47,6 +68,8 @@ def test_flow_scores_equal_the_library_metagradients(tmp_path, prefect_api):
     assert stage["n_chunks"] == stage["chunks_computed"] == 2 and stage["self_influence"]["mode"] == "off"
     assert stage["work"]["replayed_steps"] == 2 * (steps + (steps - 2) + steps)  # per block: T forward, T - T/k recomputed (k = ⌈√6⌉ = 3), T reverse
     assert [check.name for check in verify_run(params.store()) if not check.ok] == []  # self_influence absent, as switched off
+    np.testing.assert_allclose(summary["validation"]["lds_per_query"], _weights_lds(params, arrays, outputs["scores"]), rtol=1e-9, atol=1e-9)
+    assert summary["stages"]["validate"]["work"]["training_rows"] == 4 * 48 * 2  # every row, every epoch, in each retraining
     assert "fit_preconditioner" not in summary["stages"] and summary["parameters"]["included"]["tensors"] == 4
 
 

@@ -12,6 +12,7 @@ import torch
 
 from influence_core.errors import ConfigError
 from influence_core.magic import check_replayable, metagradients
+from influence_core.magic.replay import Replay
 from influence_core.task import Classification
 from influence_core.training import AdamRecipe, train
 
@@ -96,3 +97,15 @@ def test_a_memory_budget_gives_the_same_scores() -> None:
 def test_dropout_is_refused() -> None:
     with pytest.raises(ConfigError, match="^model: module '1' is dropout"):
         check_replayable(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.1)))
+
+
+def test_weighted_training_is_the_replay_at_those_weights() -> None:
+    """What `validation.counterfactual: weights` retrains (torch.optim.Adam, removed rows weighted 0 in every batch)
+    is the training MAGIC differentiates, evaluated at those weights."""
+    x, y, _, _ = _problem()
+    mask = (torch.arange(14) % 3 != 0).double()
+    trained = _model()
+    train(trained, Classification(), RECIPE, x, y, weights=mask)
+    _, final = Replay(_model(), Classification(), RECIPE, x, y).checkpoints(mask)
+    for name, p in trained.named_parameters():
+        torch.testing.assert_close(final.params[name], p.detach(), rtol=1e-12, atol=1e-14)
