@@ -32,7 +32,7 @@ class AdamState(NamedTuple):
         return sum(t.numel() * t.element_size() for part in self for t in part.values())
 
 
-def sqrt_at_zero_flat(v: torch.Tensor) -> torch.Tensor:
+def sqrt_with_zero_slope_at_zero(v: torch.Tensor) -> torch.Tensor:
     """√v with the derivative 0 where v is 0 (a moment that never moved: its gradient is 0 there, so the subgradient is
     exact), where √'s own would be infinite and turn a zero cotangent into NaN."""
     positive = v > 0
@@ -48,6 +48,6 @@ def adam_step(state: AdamState, grads: Tensors, recipe: AdamRecipe, step: int) -
         g = grads[name].add(p, alpha=recipe.weight_decay) if recipe.weight_decay != 0 else grads[name]
         exp_avg[name] = state.exp_avg[name].lerp(g, 1 - beta1)
         exp_avg_sq[name] = state.exp_avg_sq[name].mul(beta2).addcmul(g, g, value=1 - beta2)
-        denom = (sqrt_at_zero_flat(exp_avg_sq[name]) / bias2**0.5).add(recipe.eps)
+        denom = (sqrt_with_zero_slope_at_zero(exp_avg_sq[name]) / bias2**0.5).add(recipe.eps)
         params[name] = p.addcdiv(exp_avg[name], denom, value=-(recipe.learning_rate / bias1))
     return AdamState(params, exp_avg, exp_avg_sq)
