@@ -20,7 +20,7 @@ from .run_store import RunStore
 
 SCHEMA_VERSION = 1
 REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
-VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "subsets", "subsets_computed", "fraction", "queries")
+VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "slope", "pearson", "subsets", "subsets_computed", "fraction", "queries")
 REPORT_SHOWN = 3  # most helpful and most harmful examples per query in report.png
 PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from scipy.stats import spearmanr
+from scipy.stats import pearsonr, spearmanr
 
 from flows.influence_run import influence_run
 from flows.parameters import RunParameters
@@ -36,20 +36,25 @@ def _library_scores(params: RunParameters, arrays: dict[str, np.ndarray]) -> np.
     return metagradients(model, params.model.make_task(), params.training.recipe(), x, y, xq, yq).scores.numpy()
 
 
-def _weights_lds(params: RunParameters, arrays: dict[str, np.ndarray], scores: np.ndarray) -> list[float]:
+def _weights_lds(params: RunParameters, arrays: dict[str, np.ndarray], scores: np.ndarray) -> tuple[list[float], float, float]:
     """Per query, the LDS of `scores` against models retrained by the replay with each subset's removed rows weighted
-    0, their query losses by F.cross_entropy, ranked by scipy."""
+    0, their query losses by F.cross_entropy, ranked by scipy; and the slope (numpy's least squares through 0) and
+    scipy's Pearson correlation of the actual loss changes (from all weights 1) on the predicted ones."""
     spec, n = params.validation, len(arrays["y_train"])
     masks = [subset_mask(spec, i, n) for i in range(spec.subsets)]
     measured = []
-    for mask in masks:
+    for mask in [np.ones(n, dtype=bool), *masks]:
         torch.manual_seed(params.training.seed)
         replay = Replay(params.model.build(64, 10, (64,)).double(), params.model.make_task(), params.training.recipe(), arrays["x_train"], arrays["y_train"])
         final = replay.checkpoints(torch.from_numpy(mask).double())[1].params
         logits = torch.func.functional_call(replay.objective.model, final, (torch.from_numpy(arrays["x_test"][: spec.queries]).double(),))
         measured.append(F.cross_entropy(logits, torch.from_numpy(arrays["y_test"][: spec.queries]), reduction="none").detach().numpy())
-    predicted = -(np.stack(masks).astype(np.float64) @ scores[: spec.queries].astype(np.float64).T)
-    return [spearmanr(predicted[:, q], np.stack(measured)[:, q]).statistic for q in range(spec.queries)]
+    full, table, rows = measured[0], np.stack(measured[1:]), scores[: spec.queries].astype(np.float64)
+    predicted = -(np.stack(masks).astype(np.float64) @ rows.T)
+    lds = [spearmanr(predicted[:, q], table[:, q]).statistic for q in range(spec.queries)]
+    change = np.stack([rows[:, ~mask].sum(axis=1) / n for mask in masks]).ravel()  # removing the rest: about score / n each
+    actual = (table - full).ravel()
+    return lds, float(np.linalg.lstsq(change[:, None], actual, rcond=None)[0][0]), float(pearsonr(change, actual).statistic)
 
 
 def test_flow_scores_equal_the_library_metagradients(tmp_path, prefect_api):
@@ -68,7 +73,9 @@ def test_flow_scores_equal_the_library_metagradients(tmp_path, prefect_api):
     assert stage["n_chunks"] == stage["chunks_computed"] == 2 and stage["self_influence"]["mode"] == "off"
     assert stage["work"]["replayed_steps"] == 2 * (steps + (steps - 2) + steps)  # per block: T forward, T - T/k recomputed (k = ⌈√6⌉ = 3), T reverse
     assert [check.name for check in verify_run(params.store()) if not check.ok] == []  # self_influence absent, as switched off
-    np.testing.assert_allclose(summary["validation"]["lds_per_query"], _weights_lds(params, arrays, outputs["scores"]), rtol=1e-9, atol=1e-9)
+    lds, slope, pearson = _weights_lds(params, arrays, outputs["scores"])
+    np.testing.assert_allclose(summary["validation"]["lds_per_query"], lds, rtol=1e-9, atol=1e-9)
+    assert summary["validation"]["slope"] == pytest.approx(slope, rel=1e-6) and summary["validation"]["pearson"] == pytest.approx(pearson, rel=1e-6)
     assert summary["stages"]["validate"]["work"]["training_rows"] == 4 * 48 * 2  # every row, every epoch, in each retraining
     assert "fit_preconditioner" not in summary["stages"] and summary["parameters"]["included"]["tensors"] == 4
 
