@@ -9,14 +9,14 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
-from influence_core.pipeline.refs import DataRef
+from influence_core.pipeline.refs import DataRef, ModelRef, ScoresRef
 from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
-from tasks import aggregate, compute_influences, compute_test_factors, fit_model, fit_preconditioner, index_training, prepare_data, validate_run
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MagicMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
+from tasks import aggregate, compute_influences, compute_metagradients, compute_test_factors, fit_model, fit_preconditioner, index_training, prepare_data, validate_run
 from tasks.guards import begin_output, check_data, check_run, run_session
 from tasks.publish import publish_run
 from tasks.runner import StageRunner
-from tasks.stages import AggregationInput, IndexInput, Member, PreconditionerInput, PrepareInput, QueryFactorsInput, ScoringInput, TrainingInput, ValidationInput
+from tasks.stages import AggregationInput, IndexInput, MagicInput, Member, PreconditionerInput, PrepareInput, QueryFactorsInput, ScoringInput, TrainingInput, ValidationInput
 
 from . import interrupts, refusals
 from .parameters import RunParameters
@@ -67,17 +67,37 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     run = StageRunner(store, checkpoint=interrupts.raise_if_interrupted)
     data = run(prepare_data, PrepareInput(params.dataset, store))
     check_data(data, params.aggregate, params.candidates, params.method, params.model, store)
+    model, scores, scoring = _magic(run, params, data, store, fingerprint) if isinstance(params.method, MagicMethod) else _influence(run, params, data, store, fingerprint)
+    run(aggregate, AggregationInput(params.aggregate, scores, store, scoring))
+    if params.validation.subsets:
+        run(validate_run, ValidationInput(params.validation, params.model, params.training, data, model, scores, store, params.compute))
+    interrupts.raise_if_interrupted()
+    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate, run.started)
+
+
+def _influence(run: StageRunner, params: RunParameters, data: DataRef, store: RunStore, fingerprint: str) -> tuple[ModelRef, ScoresRef, ScoringInput]:
+    """Every member's model, curvature, index and query factors, then the scores: the model's and the scores' refs,
+    and the scoring input (per-token scores take its model, curvature and factors)."""
     first, *others = [_member(run, params, data, store, index) for index in range(params.training.ensemble)]
+    _begin_output(params, data, store, fingerprint)
+    inputs = ScoringInput(params.compute, params.method, params.aggregate, first.model, data, first.preconditioner, first.factors, store, params.candidates, tuple(others), first.index)
+    return first.model, run(compute_influences, inputs), inputs
+
+
+def _magic(run: StageRunner, params: RunParameters, data: DataRef, store: RunStore, fingerprint: str) -> tuple[ModelRef, ScoresRef, None]:
+    """Method magic: the trained model, then the metagradients through its replayed training (no curvature)."""
+    compute = params.compute
+    model = run(fit_model, TrainingInput(params.model, params.training, data, store, compute.torch_threads, compute.torch_device))
+    _begin_output(params, data, store, fingerprint)
+    assert isinstance(params.method, MagicMethod)
+    return model, run(compute_metagradients, MagicInput(compute, params.method, params.model, params.training, data, model, store)), None
+
+
+def _begin_output(params: RunParameters, data: DataRef, store: RunStore, fingerprint: str) -> None:
+    """Claim the output, just before scoring; warn when its disk cannot hold the scores."""
     short = begin_output(store, fingerprint, params.overwrite, data, params.aggregate)
     if short:
         get_run_logger().warning(short)
-    inputs = ScoringInput(params.compute, params.method, params.aggregate, first.model, data, first.preconditioner, first.factors, store, params.candidates, tuple(others), first.index)
-    scores = run(compute_influences, inputs)
-    run(aggregate, AggregationInput(params.aggregate, scores, store, inputs))
-    if params.validation.subsets:
-        run(validate_run, ValidationInput(params.validation, params.model, params.training, data, first.model, scores, store, params.compute))
-    interrupts.raise_if_interrupted()
-    return publish_run(store, run.refs, params.public_config(), run.outcomes, params.aggregate, run.started)
 
 
 def _member(run: StageRunner, params: RunParameters, data: DataRef, store: RunStore, index: int) -> Member:

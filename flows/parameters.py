@@ -12,10 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from influence_core.pipeline import storage
 from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.metagradients import check_magic
 from influence_core.pipeline.training import check_ensemble
 from influence_core.pipeline.validation import check_validate
 from influence_core.errors import ConfigError
-from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MagicMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 
 
 FINGERPRINT = "{fingerprint}"  # in output_url: the run's parameter fingerprint, so each question has its own output
@@ -92,8 +93,21 @@ class RunParameters(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _magic_can_replay(self) -> "RunParameters":
+        if self.method.name == "magic":
+            check_magic(self.model, self.training, self.aggregate, self.candidates)
+        return self
+
+    @model_validator(mode="after")
     def _ensemble_can_train(self) -> "RunParameters":
         check_ensemble(self.training, self.model, self.candidates)
+        return self
+
+    @model_validator(mode="after")
+    def _token_scores_need_gradients(self) -> "RunParameters":
+        """Per-token scores split a training row's gradient contraction; method magic has none to split."""
+        if self.aggregate.token_scores and isinstance(self.method, MagicMethod):
+            raise ConfigError("aggregate.token_scores", "method magic differentiates through training and gives no per-token split of a score", "set aggregate.token_scores to false, or choose an influence method (e.g. ekfac)")
         return self
 
     @model_validator(mode="after")
@@ -145,6 +159,8 @@ class RunParameters(BaseModel):
         defaults = ComputeSpec()
         where["compute"] |= {name for name in INDEX_FIELDS if getattr(self.compute, name) == getattr(defaults, name)}  # the index's defaults: fingerprints from before it are unchanged
         dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config(), "model": self.model.key_config(), "training": self.training.key_config()}  # type: ignore[arg-type]
+        if self.validation.subsets:
+            dumped["validation"] = self.validation.key_config()
         payload = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 

@@ -59,3 +59,16 @@ def linear_datamodeling_score(scores: np.ndarray, masks: np.ndarray, measured: n
         raise ConfigError("lds.subsets", f"{masks.shape[0]} subsets give no rank correlation", "use 3 or more subsets (the literature uses 50-100+)")
     predicted = -(masks.astype(scores.dtype) @ scores.T)  # (n_subsets, n_queries): predicted loss up to constants
     return Lds(np.array([spearman(predicted[:, q], measured[:, q]) for q in range(n_queries)]))
+
+
+def change_slope(scores: np.ndarray, masks: np.ndarray, measured: np.ndarray, full: np.ndarray) -> tuple[float, float]:
+    """How large the actual changes of the query losses are against the predicted ones: the least-squares slope
+    through 0 of measured − full (the model trained on every example) on Σ_{i∉S} score[q, i] / n_train (removing
+    S's complement raises the loss by about its scores / n), over every (subset, query); and their Pearson
+    correlation. NaN where the predictions are all 0."""
+    predicted = ((~masks).astype(np.float64) @ scores.T) / scores.shape[1]
+    actual = measured - full[None, :]
+    norm = float((predicted * predicted).sum())
+    if norm == 0 or actual.std() == 0:
+        return float("nan"), float("nan")
+    return float((predicted * actual).sum() / norm), float(np.corrcoef(predicted.ravel(), actual.ravel())[0, 1])

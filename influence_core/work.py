@@ -18,7 +18,9 @@ class Work:
     - score_flops: floating-point operations of the contractions that turn gradients into scores and
       self-influences (GEMMs and the reductions beside them);
     - index_rows, index_bytes: training rows (and their bytes) read back from a stored training index instead of
-      evaluating their gradients.
+      evaluating their gradients;
+    - replayed_steps: training steps replayed by MAGIC, forward recomputations and reverse steps through the
+      optimiser together.
     """
 
     gradient_rows: int = 0
@@ -28,6 +30,7 @@ class Work:
     score_flops: float = 0.0
     index_rows: int = 0
     index_bytes: int = 0
+    replayed_steps: int = 0
 
     def __iadd__(self, other: "Work") -> "Work":
         for field in fields(self):

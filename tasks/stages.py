@@ -4,9 +4,10 @@ exported here for the flow."""
 
 from __future__ import annotations
 
-from influence_core.pipeline import aggregation, index, preconditioner, prepare, query_factors, scoring, training, validation
+from influence_core.pipeline import aggregation, index, metagradients, preconditioner, prepare, query_factors, scoring, training, validation
 from influence_core.pipeline.aggregation import AggregationInput
 from influence_core.pipeline.index import IndexInput
+from influence_core.pipeline.metagradients import MagicInput
 from influence_core.pipeline.cluster import dask_client
 from influence_core.pipeline.preconditioner import PreconditionerInput
 from influence_core.pipeline.prepare import PrepareInput
@@ -21,8 +22,8 @@ from .policy import stage_task
 from .progress import ChunkProgress
 
 __all__ = [
-    "AggregationInput", "IndexInput", "Member", "PreconditionerInput", "PrepareInput", "QueryFactorsInput", "ScoringInput", "TrainingInput", "ValidationInput",
-    "aggregate", "compute_influences", "compute_test_factors", "fit_model", "fit_preconditioner", "index_training", "prepare_data", "validate_run",
+    "AggregationInput", "IndexInput", "MagicInput", "Member", "PreconditionerInput", "PrepareInput", "QueryFactorsInput", "ScoringInput", "TrainingInput", "ValidationInput",
+    "aggregate", "compute_influences", "compute_metagradients", "compute_test_factors", "fit_model", "fit_preconditioner", "index_training", "prepare_data", "validate_run",
 ]
 
 prepare_data = stage_task("prepare_data")(prepare.run)  # dataset → row-chunked Zarr arrays with a content fingerprint
@@ -57,6 +58,12 @@ def compute_influences(stage: ScoringInput) -> ScoresRef:
     """Scores (and self-influences) for every (query, training example), or FastIF's candidate scores, one train chunk per Dask task; resumes where it stopped."""
     thread_safe = METHOD_CLASSES[stage.method.name].thread_safe
     return scoring.run(stage, client_factory=lambda: dask_client(stage.compute, thread_safe), on_progress=ChunkProgress("compute_influences"))
+
+
+@stage_task("compute_influences")
+def compute_metagradients(stage: MagicInput) -> ScoresRef:
+    """Method magic's scores: one block of queries per Dask task, each one reverse pass through the replayed training; resumes where it stopped."""
+    return metagradients.run(stage, client_factory=lambda: dask_client(stage.compute, False), on_progress=ChunkProgress("compute_influences", "query blocks"))
 
 
 @stage_task("validate")

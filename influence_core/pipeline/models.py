@@ -13,6 +13,7 @@ from torch import nn
 from . import storage
 from .. import examples
 from ..batches import ArrayBatches
+from ..training import SHUFFLE_BLOCK_ROWS, train as fit
 from ..errors import ConfigError
 from ..objective import Objective
 from ..task import Task
@@ -120,32 +121,10 @@ def probe_forward(objective: Objective, spec: ModelSpec, x: Any, y: torch.Tensor
         raise ConfigError("model", f"the forward pass of {name} returns a {type(out).__name__}, not a tensor", "return the outputs (e.g. the logits) as one tensor, or a Hugging Face output with .logits; wrap the model to pick them")
 
 
-SHUFFLE_BLOCK_ROWS = 65536  # the training set is read block by block: memory stays flat as it grows
-
-
-def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any) -> None:
-    """Fit with Adam and L2 weight decay, leaving the model in eval mode (`evaluate` measures it).
-
-    Each epoch visits blocks of rows in a seeded random order and shuffles within each block, so only one block is
-    in memory at a time (a full shuffle for data of up to SHUFFLE_BLOCK_ROWS rows).
-    """
-    task = spec.make_task()
-    objective = Objective(model, task)
-    optimiser = torch.optim.Adam(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
-    generator = torch.Generator().manual_seed(training.seed)
-    blocks = ArrayBatches(x, y, SHUFFLE_BLOCK_ROWS)
-    n_blocks = -(-len(blocks) // SHUFFLE_BLOCK_ROWS)
-    model.train()
-    for _ in range(training.epochs):
-        for b in torch.randperm(n_blocks, generator=generator).tolist():
-            xs, ys = objective.to_model(*blocks.rows(b * SHUFFLE_BLOCK_ROWS, (b + 1) * SHUFFLE_BLOCK_ROWS))
-            order = torch.randperm(len(ys), generator=generator)
-            for start in range(0, len(ys), training.batch_size):
-                idx = order[start : start + training.batch_size]
-                optimiser.zero_grad()
-                task.mean_loss(task.output(examples.call(model, examples.take(xs, idx))), ys[idx]).backward()
-                optimiser.step()
-    model.eval()
+def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any, weights: torch.Tensor | None = None) -> None:
+    """Fit with the recipe of `training` (influence_core.training: Adam, L2 weight decay, the seeded batch schedule;
+    `weights`: per-row loss weights), leaving the model in eval mode (`evaluate` measures it)."""
+    fit(model, spec.make_task(), training.recipe(), x, y, weights)
 
 
 def evaluate(model: nn.Module, task: Task, x: Any, y: Any, split: str) -> dict[str, float]:

@@ -16,12 +16,13 @@ from typing import Any
 from distributed import Client
 
 from ..batches import ArrayBatches
+from ..magic import check_replayable
 from ..methods import KfacInfluence
 from ..methods.kfac import Sums, factor_bases, merge
 from .models import build_model
 from ..reduction import summed_tasks
 from .refs import DataRef, ModelRef, StageRef
-from .specs import ComputeSpec, MethodSpec, ModelSpec
+from .specs import ComputeSpec, MagicMethod, MethodSpec, ModelSpec
 from .threads import TASK_THREADS, torch_threads
 from .loading import load_model, open_data, save_tensors, train_batches
 from .stage import StageCall, StageInput, StageLocation
@@ -117,7 +118,10 @@ def kronecker_factors(im: KfacInfluence, job: FactorJob, client: Client | None) 
 def check_method(method: MethodSpec, model: ModelSpec, data: DataRef) -> None:
     """Before training: build the method around the untrained model, so that what depends only on the model's
     structure (module names in `method.modules` or a per-layer λ, λ > 0 where the method needs it) is refused in
-    seconds, not after training."""
+    seconds, not after training; method magic, that the model's training can be replayed."""
+    if isinstance(method, MagicMethod):
+        check_replayable(build_model(model, data))
+        return
     method.build(build_model(model, data), model.loss)
 
 

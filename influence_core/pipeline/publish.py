@@ -20,7 +20,7 @@ from .run_store import RunStore
 
 SCHEMA_VERSION = 1
 REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
-VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "subsets", "subsets_computed", "fraction", "queries")
+VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "slope", "pearson", "subsets", "subsets_computed", "fraction", "queries")
 PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
 
 
@@ -125,7 +125,7 @@ def publish(
         "n_train": data.n_train,
         "n_test": data.n_test,
         "task": spec.attributed_task,  # resolved: never auto
-        "parameters": refs["fit_preconditioner"].parameters,  # which of the model's parameters the scores are over
+        "parameters": refs.get("fit_preconditioner", refs["compute_influences"]).parameters,  # which of the model's parameters the scores are over (magic: its scoring stage)
         **({} if validated is None else {"validation": validated}),
         "stages": stages,
         "config": config,

@@ -133,6 +133,8 @@ class ValidationRef(StageRef):
     lds_mean: float | None
     lds_stderr: float | None
     lds_per_query: list[float | None]
+    slope: float | None = None  # least-squares slope of the actual query-loss changes on the predicted ones (influence_core.lds.change_slope)
+    pearson: float | None = None  # their Pearson correlation
     subsets: int
     subsets_computed: int
     fraction: float

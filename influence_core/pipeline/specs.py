@@ -24,6 +24,7 @@ from .losses import LossName
 from .transformer import TokenTransformer
 from ..projection import Projection
 from ..task import BUILTIN, Classification, Task
+from ..training import AdamRecipe
 from ..methods import METHODS, InfluenceFunctionModel
 from ..methods.options import group_fields
 
@@ -433,6 +434,10 @@ class TrainingSpec(Spec):
         before it existed keep their keys."""
         return self.model_dump(mode="json", exclude=None if self.ensemble > 1 else {"ensemble"})
 
+    def recipe(self) -> AdamRecipe:
+        """The library's recipe that fit_model trains with (and MAGIC replays)."""
+        return AdamRecipe(self.epochs, self.batch_size, self.learning_rate, self.weight_decay, self.seed)
+
     def member(self, index: int) -> "TrainingSpec":
         """How ensemble member `index` is trained: alone, with seed + index (member 0 is the single model)."""
         return self.model_copy(update={"seed": self.seed + index, "ensemble": 1})
@@ -513,7 +518,26 @@ IdentityMethod = METHOD_SPECS["identity"]
 KfacMethod = METHOD_SPECS["kfac"]
 EkfacMethod = METHOD_SPECS["ekfac"]
 
-MethodSpec = Annotated[Union[tuple(METHOD_SPECS.values())], Field(discriminator="name"), _AnyOfSchema()]
+
+
+class MagicMethod(Spec):
+    """MAGIC: exact metagradients through the pipeline's own training (influence_core.magic), no curvature at all."""
+
+    model_config = ConfigDict(title="MAGIC (metagradients through training)")
+
+    name: Literal["magic"] = Field(
+        "magic", title="Method",
+        description="Exact metagradients: each query's measurement differentiated in every training example's loss weight by reverse mode "
+        "through every Adam step of fit_model's training, replayed from its seed. Needs the pipeline's own training (no model.checkpoint).",
+    )
+    query_block: int = Field(16, ge=1, title="Queries per block", description="Queries whose cotangents one reverse pass carries together: one Dask task each, cached and resumed like a score chunk.")
+    checkpoint_every: int | None = Field(
+        None, ge=1, title="Checkpoint every (steps)",
+        description="Keep the training state every this many steps and recompute the steps in between; empty: ⌈√T⌉ for T steps, so memory grows as √T.",
+    )
+
+
+MethodSpec = Annotated[Union[(*METHOD_SPECS.values(), MagicMethod)], Field(discriminator="name"), _AnyOfSchema()]
 
 
 # -- compute ---------------------------------------------------------------------------------------------
@@ -576,7 +600,7 @@ class AggregateSpec(Spec):
         description="exact: ∇ℓᵀ(C+λI)⁻¹∇ℓ per training example (for cg, lissa and datainf one solve per example: expensive); "
         "lowrank: exact in the curvature's top eigenspace, the rest at its mean eigenvalue; "
         "auto: exact where it costs at most about half of scoring (direct with few parameters, arnoldi, nystroem, identity, "
-        "K-FAC/EK-FAC, projections), else lowrank; off: not computed.",
+        "K-FAC/EK-FAC, projections), else lowrank; off: not computed. Method magic computes none (auto means off there).",
     )
     self_influence_rank: int = Field(32, ge=1, title="Self-influence rank", description="Rank of the lowrank estimate (auto without a training index uses at most half the number of queries, at least 4; with one, this rank).")
     report_queries: int = Field(6, ge=1, le=50, title="Queries in report", description="Queries shown in report.png and in the top-k table.")
@@ -602,6 +626,16 @@ class ValidationSpec(Spec):
     fraction: float = Field(0.5, gt=0, lt=1, title="Subset fraction", description="Share of the training examples in each subset.")
     queries: int = Field(20, ge=1, title="Queries", description="The first this many queries are measured (all if fewer).")
     seed: int = Field(0, ge=0, title="Seed", description="Seed of the subsets' draw (training itself uses training.seed).")
+    counterfactual: Literal["rebatch", "weights"] = Field(
+        "rebatch", title="Subset training",
+        description="How a subset is retrained: rebatch, its rows alone in the batch schedule of a training set of that size; "
+        "weights, every batch of the full run kept with the removed rows' losses weighted 0 (the counterfactual method magic linearises).",
+    )
+
+    def key_config(self) -> dict[str, Any]:
+        """The settings as stage keys and the run fingerprint hash them: `counterfactual` only when not rebatch, so
+        the validations stored before it existed keep their keys."""
+        return self.model_dump(mode="json", exclude=None if self.counterfactual != "rebatch" else {"counterfactual"})
 
     @field_validator("subsets")
     @classmethod

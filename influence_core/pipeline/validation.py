@@ -20,13 +20,13 @@ from distributed import as_completed
 from . import storage
 from .. import examples
 from ..errors import ConfigError
-from ..lds import linear_datamodeling_score
+from ..lds import change_slope, linear_datamodeling_score
 from .models import build_model, load_into, load_state, state_bytes, train
 from ..objective import Objective
 from .refs import DataRef, ModelRef, StageRef, ValidationRef
 from .specs import ComputeSpec, ModelSpec, TrainingSpec, ValidationSpec
 from .threads import torch_threads
-from .loading import open_data
+from .loading import load_model, open_data
 from .stage import StageCall, StageInput, StageLocation, stage_key
 from .run_store import RunStore
 
@@ -86,8 +86,11 @@ def retrained_model(job: ValidationJob, index: int, arrays: dict[str, Any]) -> t
         except ConfigError:  # not stored yet, or cut short by a crash
             pass
         mask = subset_mask(job.spec, index, job.data.n_train)
-        x, y = examples.map_inputs(arrays["x_train"], lambda a: np.asarray(a[...])[mask]), np.asarray(arrays["y_train"][...])[mask]
-        train(model, job.model, job.training, x, y)
+        if job.spec.counterfactual == "weights":  # every batch of the full run, the removed rows weighted 0
+            train(model, job.model, job.training, arrays["x_train"], arrays["y_train"], torch.from_numpy(mask))
+        else:
+            x, y = examples.map_inputs(arrays["x_train"], lambda a: np.asarray(a[...])[mask]), np.asarray(arrays["y_train"][...])[mask]
+            train(model, job.model, job.training, x, y)
     storage.write_bytes(job.model_url(index), state_bytes(model), job.options)
     return model, True
 
@@ -98,15 +101,20 @@ def measure_subset(job: ValidationJob, index: int) -> tuple[list[float], bool]:
     arrays = open_data(job.data, job.options)
     with torch_threads(job.threads):
         model, trained = retrained_model(job, index, arrays)
-        model.eval()
-        task = job.model.make_task()
-        objective = Objective(model, task)
-        xq, yq = objective.to_model(examples.read(arrays["x_test"], slice(0, job.queries)), examples.read(arrays["y_test"], slice(0, job.queries)))
-        with torch.no_grad():
-            measured = task.measurement(task.output(examples.call(model, xq)), yq)
-    values = [float(v) for v in measured.reshape(job.queries, -1).sum(dim=1)]
+        values = measure(job, model, arrays)
     storage.write_json(job.subset_url(index), {"index": index, "measured": values}, job.options)
     return values, trained
+
+
+def measure(job: ValidationJob, model: torch.nn.Module, arrays: dict[str, Any]) -> list[float]:
+    """The task's measurement of the first queries (summed over each query's positions), in eval mode."""
+    model.eval()
+    task = job.model.make_task()
+    objective = Objective(model, task)
+    xq, yq = objective.to_model(examples.read(arrays["x_test"], slice(0, job.queries)), examples.read(arrays["y_test"], slice(0, job.queries)))
+    with torch.no_grad():
+        measured = task.measurement(task.output(examples.call(model, xq)), yq)
+    return [float(v) for v in measured.reshape(job.queries, -1).sum(dim=1)]
 
 
 def _stored(job: ValidationJob, index: int) -> list[float] | None:
@@ -134,7 +142,7 @@ def _measure(job: ValidationJob, pending: list[int], client: Any, on_progress: P
         yield index, outcome
 
 
-def _validate(job: ValidationJob, scores: StageRef, store: RunStore, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
+def _validate(job: ValidationJob, model: ModelRef, scores: StageRef, store: RunStore, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
     measured = {i: values for i in range(job.spec.subsets) if (values := _stored(job, i)) is not None}
     pending = [i for i in range(job.spec.subsets) if i not in measured]
     trained = 0
@@ -146,14 +154,22 @@ def _validate(job: ValidationJob, scores: StageRef, store: RunStore, client_fact
     table = np.array([measured[i] for i in range(job.spec.subsets)])
     score_rows = np.asarray(storage.open_array(scores.url, store.options)[: job.queries], dtype=np.float64)
     lds = linear_datamodeling_score(score_rows, masks, table)
+    with torch_threads(job.threads):
+        full = np.array(measure(job, load_model(model, store.options, job.device), open_data(job.data, store.options)))
+    slope, pearson = change_slope(score_rows, masks, table, full)
     url = loc.path("validation.json")
-    result = {"lds_mean": _finite(lds.mean), "lds_stderr": _finite(lds.stderr), "lds_per_query": [_finite(v) for v in lds.per_query]}
+    result = {"lds_mean": _finite(lds.mean), "lds_stderr": _finite(lds.stderr), "lds_per_query": [_finite(v) for v in lds.per_query], "slope": _finite(slope), "pearson": _finite(pearson)}
     storage.write_json(url, {**result, "measured": table.tolist()}, store.options)
     return {
         "url": url, "fingerprint": loc.key, "shape": (job.queries,), "dtype": "float64", **result,
         "subsets": job.spec.subsets, "subsets_computed": len(pending), "fraction": job.spec.fraction, "queries": job.queries,
-        "work": {"trainings": trained, "training_rows": trained * int(masks[0].sum()) * job.training.epochs, "measured_subsets": len(pending)},
+        "work": {"trainings": trained, "training_rows": trained * _rows_trained(job, masks[0]) * job.training.epochs, "measured_subsets": len(pending)},
     }
+
+
+def _rows_trained(job: ValidationJob, mask: np.ndarray) -> int:
+    """Rows one retraining passes over per epoch: the subset's, or every row (the removed ones weighted 0)."""
+    return job.data.n_train if job.spec.counterfactual == "weights" else int(mask.sum())
 
 
 def _finite(value: float) -> float | None:
@@ -175,14 +191,14 @@ class ValidationInput(StageInput[ValidationRef]):
     compute: ComputeSpec
 
     def plan(self) -> StageCall[ValidationRef]:
-        config = {"validate": self.spec.model_dump(mode="json"), "model": self.model_spec.model_dump(mode="json"), "training": self.training.key_config()}
+        config = {"validate": self.spec.key_config(), "model": self.model_spec.model_dump(mode="json"), "training": self.training.key_config()}
         return StageCall("validate", ValidationRef, config, {"data": self.data, "model": self.model, "scores": self.scores}, self.store, self.compute.torch_threads)
 
     @property
     def models_url(self) -> str:
         """Where the retrained models live: keyed on the training side, the recipe and the subsets' draw alone (never
         the queries or the scores), so every run over the same training rows shares them."""
-        draw = self.spec.model_dump(mode="json", include={"fraction", "seed"})
+        draw = {name: value for name, value in self.spec.key_config().items() if name in ("fraction", "seed", "counterfactual")}
         config = {"model": self.model_spec.model_dump(mode="json"), "training": self.training.key_config(), "subsets": draw, "threads": self.compute.torch_threads}
         return storage.join(self.store.cache_url, "retrain", stage_key("retrain", config, {"train": self.data.training}))
 
@@ -191,4 +207,4 @@ def run(stage: ValidationInput, client_factory: Callable[[], Any], on_progress: 
     """The run's LDS over `spec.subsets` retrainings; `client_factory()` is a context manager yielding a Dask client or None."""
     check_validate(stage.spec, stage.model_spec)
     job = ValidationJob(stage.spec, stage.model_spec, stage.training, stage.data, stage.store.options, stage.call.location.url, stage.models_url, stage.compute.torch_threads, stage.compute.torch_device)
-    return stage.call.run(lambda loc: _validate(job, stage.scores, stage.store, client_factory, on_progress, loc))
+    return stage.call.run(lambda loc: _validate(job, stage.model, stage.scores, stage.store, client_factory, on_progress, loc))

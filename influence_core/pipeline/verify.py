@@ -62,8 +62,10 @@ def verify_run(store: RunStore) -> list[Check]:
     try:
         data = attrs["refs"]["prepare_data"]["arrays"]
         n_test, n_train, k = data["y_test"]["shape"][0], data["y_train"]["shape"][0], attrs["config"]["aggregate"]["top_k"]
-        optional = set() if attrs["config"]["aggregate"].get("self_influence", True) else {"self_influence"}
-        knn_k = (attrs["config"].get("candidates") or {}).get("knn_k")
+        config = attrs["config"]
+        switched_off = config["aggregate"].get("self_influence") == "off" or config.get("method", {}).get("name") == "magic"  # magic computes none
+        optional = {"self_influence"} if switched_off else set()
+        knn_k = (config.get("candidates") or {}).get("knn_k")
     except (KeyError, TypeError, IndexError):
         return [*checks, Check("layout", False, "the attributes do not say n_test, n_train and top_k: cannot check shapes")]
     arrays: dict[str, zarr.Array] = {}

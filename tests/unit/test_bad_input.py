@@ -102,3 +102,12 @@ def test_a_language_models_missing_labels_name_dataset_target(tmp_path):
     spec = HfDiskDataset(path=str(tmp_path / "hf"), inputs=["input_ids", "attention_mask"], n_test=4)
     with pytest.raises(ConfigError, match=r"^dataset.target: .*without the labels 'y'. Fix: set dataset.target .*dataset.target: input_ids"):
         prepare.run(prepare.PrepareInput(spec, RunStore(output_url=str(tmp_path / "out"))))
+
+
+def test_token_scores_with_magic_are_refused_in_one_line():
+    """Method magic has no per-token split of a score: refused while parsing, naming the field and the fix."""
+    from flows.parameters import RunParameters
+    from influence_core import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^aggregate.token_scores: method magic .* Fix: set aggregate.token_scores to false"):
+        RunParameters.from_sections(method={"name": "magic"}, aggregate={"top_k": 3, "token_scores": True})

@@ -36,7 +36,7 @@ def test_methods_and_cluster_kinds_are_choices():
     schema = RunParameters.model_json_schema()
     defs = schema["$defs"]
     names = sorted(defs[v["$ref"].split("/")[-1]]["properties"]["name"]["const"] for v in schema["properties"]["method"]["anyOf"])
-    assert names == ["arnoldi", "cg", "datainf", "direct", "ekfac", "identity", "kfac", "lissa", "nystroem"]
+    assert names == ["arnoldi", "cg", "datainf", "direct", "ekfac", "identity", "kfac", "lissa", "magic", "nystroem"]
     assert defs["ClusterKind"]["enum"] == ["local", "cuda", "address", "sequential"]
 
 

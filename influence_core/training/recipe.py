@@ -1,0 +1,60 @@
+"""The Adam recipe: its settings, and training a model with them from its current (initial) weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import examples
+from ..batches import ArrayBatches
+from ..objective import Objective
+from ..task import Task
+from .schedule import BatchSchedule
+
+SHUFFLE_BLOCK_ROWS = 65536  # the training set is read block by block: memory stays flat as it grows
+
+
+@dataclass(frozen=True)
+class AdamRecipe:
+    """torch.optim.Adam (default betas and eps) with L2 weight decay (wd·θ added to each gradient), constant learning
+    rate, on mini-batch mean losses in the seeded BatchSchedule."""
+
+    epochs: int
+    batch_size: int
+    learning_rate: float
+    weight_decay: float
+    seed: int
+    block_rows: int = SHUFFLE_BLOCK_ROWS
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def schedule(self, n_rows: int) -> BatchSchedule:
+        """Which rows each step takes, for a training set of n_rows."""
+        return BatchSchedule(self.seed, n_rows, self.batch_size, self.block_rows)
+
+    def steps(self, n_rows: int) -> int:
+        """Optimiser steps of the whole training."""
+        return self.epochs * self.schedule(n_rows).steps_per_epoch()
+
+
+def train(model: nn.Module, task: Task, recipe: AdamRecipe, x: Any, y: Any, weights: torch.Tensor | None = None) -> None:
+    """Fit the model from its current weights with the recipe, reading one block of rows at a time, and leave it in
+    eval mode. `weights` (n,): each batch's loss is Σ w_i ℓ_i / batch size in the same schedule (MAGIC's
+    counterfactual: weight 0 removes a row and keeps every batch); None: the task's mean loss."""
+    objective = Objective(model, task)
+    optimiser = torch.optim.Adam(model.parameters(), lr=recipe.learning_rate, betas=recipe.betas, eps=recipe.eps, weight_decay=recipe.weight_decay)
+    rows = ArrayBatches(x, y, recipe.block_rows)
+    model.train()
+    for blocks in recipe.schedule(len(rows)).epochs(recipe.epochs):
+        for block in blocks:
+            xs, ys = objective.to_model(*rows.rows(block.start, block.stop))
+            for idx in block.batches:
+                optimiser.zero_grad()
+                outputs = task.output(examples.call(model, examples.take(xs, idx)))
+                loss = task.mean_loss(outputs, ys[idx]) if weights is None else (task.loss(outputs, ys[idx]) * weights[block.start + idx].to(outputs)).mean()
+                loss.backward()
+                optimiser.step()
+    model.eval()
