@@ -12,7 +12,7 @@ from . import damage, storage
 from ..errors import ConfigError
 from .layout import SCORE_CONVENTION
 from .refs import DataRef, IndexRef, ModelRef, StageRef, ValidationRef
-from .specs import METHOD_CLASSES, ModelSpec
+from .specs import METHOD_CLASSES, MagicMethod, ModelSpec
 from .report import Decode, QueryRow, example_view, lds_line, render_report, topk_rows
 from ..version import CODE_VERSION, source_commit
 from .loading import open_data
@@ -94,7 +94,8 @@ def report_heading(config: dict[str, Any], n_show: int) -> str:
     shown = f"top {top_k}" if n_show == top_k else f"top {n_show} of top_k={top_k} (all are in influence.zarr)"
     projection = config["method"].get("projection")
     projected = f", gradients projected ({projection['kind']}, dim {projection['dim']})" if projection else ""
-    return f"Influence by {METHOD_CLASSES[name].title.split(' (')[0]} (method {name}{projected}), {shown}"  # the form's title without its aside
+    title = METHOD_CLASSES[name].title if name in METHOD_CLASSES else str(MagicMethod.model_config.get("title"))
+    return f"Influence by {title.split(' (')[0]} (method {name}{projected}), {shown}"  # the form's title without its aside
 
 
 def publish(
