@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from uuid import UUID
 
 from prefect import get_run_logger
+from prefect.exceptions import MissingContextError
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -55,7 +56,11 @@ def library_logs() -> Iterator[None]:
     root's WARNING."""
     library = logging.getLogger("influence_core")
     before = library.level
-    library.setLevel(get_run_logger().getEffectiveLevel())
+    try:
+        level = get_run_logger().getEffectiveLevel()
+    except MissingContextError:  # the body called outside a run (a test calling `.fn`): the library's level stays
+        level = before
+    library.setLevel(level)
     try:
         yield
     finally:

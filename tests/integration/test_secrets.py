@@ -112,7 +112,7 @@ def test_no_credential_reaches_any_output(secrets: tuple[str, str], s3_endpoint:
     results = [place for place in places if place.startswith("local result ")]  # the session's records: the stages' are JSON
     assert sum(_is_json(places[place]) for place in results) >= 6
     assert f"{s3_bucket}/run/summary.json" in objects and f"{s3_bucket}/run/report.png" in objects
-    assert sum(name.endswith("manifest.json") for name in objects) == 6
+    assert sum(name.endswith("manifest.json") for name in objects) == 7  # six stages and the training index
     assert f"{s3_bucket}/run/influence.zarr" in attributes and attributes[f"{s3_bucket}/run/influence.zarr"]["status"] == "complete"
     assert any("/data.zarr" in name for name in attributes)
 

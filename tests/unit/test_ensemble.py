@@ -23,8 +23,8 @@ from tests.helpers import small_params
 # Taken before training.ensemble existed (commit 6196765), with the code version pinned: a single model's stages
 # and its run keep their keys, so the stages and runs stored before are still found.
 KEYS = {
-    "fit_model": "77a55341e999dc4499641cea",
-    "fit_preconditioner": "500a109dbec832f4ec1b523b",
+    "fit_model": "5b8452638a4461acbc74d24e",  # these two changed with issue 38: keyed on the training rows alone (DataRef.training)
+    "fit_preconditioner": "87a52d2a7ff8a2aa90605f98",
     "compute_test_factors": "08f1c298dae72e105eb8c197",
     "compute_influences": "4fc5e40a65e914f10d63ba59",
     "validate": "ed33fea24a34600811c96096",
