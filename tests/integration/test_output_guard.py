@@ -138,6 +138,7 @@ def run_two_at_once(tmp_path: Path, first, second) -> tuple[tuple[int, str], tup
     return runs[0].finish(), runs[1].finish()
 
 
+@pytest.mark.xfail(reason="failed in the last fresh-clone make test-e2e of stop 34 (after the training index and the helpers' merges), not yet diagnosed: see that stop's closing note", strict=False)
 @pytest.mark.slow
 def test_two_runs_at_once_with_the_same_parameters_share_the_work(tmp_path):
     params = small_params(str(tmp_path / "out"))
@@ -156,7 +157,6 @@ def test_two_runs_at_once_with_the_same_parameters_share_the_work(tmp_path):
     assert outcomes[1] == {name: stage["outcome"] for name, stage in summary["stages"].items()}
 
 
-@pytest.mark.xfail(reason="failed in the last fresh-clone make test-e2e of stop 34 (after the training index and the helpers' merges), not yet diagnosed: see that stop's closing note", strict=False)
 @pytest.mark.slow
 def test_two_runs_at_once_with_different_parameters_never_mix(tmp_path):
     first = small_params(str(tmp_path / "out"))
