@@ -40,7 +40,6 @@ def _stage_run_counts(flow_run_id) -> dict[str, int]:
     return {r.name.rsplit("-", 1)[0]: r.run_count for r in runs}
 
 
-@pytest.mark.xfail(reason="failed in the last fresh-clone make test-e2e of stop 34 (after the training index and the helpers' merges), not yet diagnosed: see that stop's closing note", strict=False)
 @pytest.mark.usefixtures("prefect_api")
 @pytest.mark.slow
 def test_s3_outage_mid_run_completes_with_the_same_scores(s3_endpoint, s3_bucket, s3_proxy, tmp_path):
@@ -75,7 +74,7 @@ def test_s3_outage_mid_run_completes_with_the_same_scores(s3_endpoint, s3_bucket
     assert not s3_proxy.is_down(), "the run finished during the outage, without S3"
     # the storage client rode out the outage: no stage had to be retried by Prefect
     counts = _stage_run_counts(state.state_details.flow_run_id)
-    assert len(counts) == 7 and set(counts.values()) == {1}, counts
+    assert len(counts) == 8 and set(counts.values()) == {1}, counts  # seven stages (the training index too) and publish
     assert assert_same_outputs(params.store(), expected).attrs["status"] == "complete"
 
 
