@@ -207,12 +207,12 @@ def cli_run(config: Path, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config)], env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.xfail(reason="failed in the last fresh-clone make test-e2e of stop 34 (after the training index and the helpers' merges), not yet diagnosed: see that stop's closing note", strict=False)
 @pytest.mark.usefixtures("prefect_api")
 @pytest.mark.slow
 def test_sigkill_during_compute_then_resume_through_the_cli(tmp_path):
-    """Three processes: an uninterrupted CLI run, one SIGKILLed mid compute_influences, and the same CLI command
-    again, which redoes only the missing chunks and ends equal, bit for bit, to the uninterrupted run."""
+    """Three processes: an uninterrupted CLI run, one SIGKILLed mid index_training (the training pass: CG's exact
+    self-influence, a solve per row), and the same CLI command again, which redoes only the missing chunks and ends
+    equal, bit for bit, to the uninterrupted run."""
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO), "INFLUENCE_LOCK_DIR": str(tmp_path / "locks")}
@@ -222,7 +222,7 @@ def test_sigkill_during_compute_then_resume_through_the_cli(tmp_path):
         configs[name].write_text(yaml.safe_dump(slow_params(str(tmp_path / name)).model_dump(mode="json")))
     reference = cli_run(configs["reference"], env)
     victim = cli_run(configs["run"], env)
-    done_glob = "stages/compute_influences/*/done/*"
+    done_glob = "stages/index_training/*/done/*"
     deadline = time.time() + 400
     while len(list((tmp_path / "run").glob(done_glob))) < 3:
         assert victim.poll() is None, f"the flow ended before it could be killed: {victim.stderr.read()[-2000:]}"  # type: ignore[union-attr]
@@ -233,8 +233,8 @@ def test_sigkill_during_compute_then_resume_through_the_cli(tmp_path):
     done_before = len(list((tmp_path / "run").glob(done_glob)))
     assert 3 <= done_before < 13
     run = slow_params(str(tmp_path / "run"))
-    group, _ = read_outputs(run.store())
-    assert group.attrs["status"] == "running"  # a killed run never looks complete
+    assert not (tmp_path / "run" / "summary.json").exists()  # a killed run never looks complete: killed in the training pass,
+    assert not (tmp_path / "run" / "influence.zarr").exists()  # before the output was even claimed
 
     resumed = cli_run(configs["run"], env)
     for proc in (reference, resumed):
@@ -242,7 +242,7 @@ def test_sigkill_during_compute_then_resume_through_the_cli(tmp_path):
         assert proc.returncode == 0, err[-3000:]
     summary = json.loads(storage.read_bytes(run.store().url("summary.json"), {}))
     assert summary["status"] == "complete"
-    stage = summary["stages"]["compute_influences"]
+    stage = summary["stages"]["index_training"]
     assert stage["outcome"] == "computed"
     assert stage["chunks_computed"] == 13 - done_before
     assert stage["gradient_rows"] == 400 - 32 * done_before  # sequential chunks finish in order; only the rest are redone
