@@ -224,7 +224,6 @@ def test_deployments_and_pool_carry_concurrency_limits(deployed):
     assert pool.concurrency_limit == 2
 
 
-@pytest.mark.xfail(reason="failed in the last fresh-clone make test-e2e of stop 34 (after the training index and the helpers' merges), not yet diagnosed: see that stop's closing note", strict=False)
 def test_question_deployment_answers_new_queries_from_a_runs_index(deployed, tmp_path):
     """The `question` deployment takes only a run and a file of queries: its answer (written under the run) equals
     the library-level answer from that run's index, and it evaluates the queries' gradients alone."""
@@ -244,11 +243,10 @@ def test_question_deployment_answers_new_queries_from_a_runs_index(deployed, tmp
         asked = client.create_flow_run_from_deployment(question.id, parameters={"run_url": params.output_url, "queries": str(tmp_path / "new.npz"), "top_k": 3})
         final = wait_final(client, asked.id)
         assert final.state.is_completed(), f"{final.state}: {open(deployed['WORKER_LOG']).read()[-4000:]}"
-        result = final.state.result()
         artifacts = {a.key for a in client.read_artifacts() if a.flow_run_id == asked.id}
-    assert "influence-question" in artifacts and result["work"]["gradient_rows"] == 9
+    assert "influence-question" in artifacts
     store = params.store()
     expected = answer(store, *query_arrays(str(tmp_path / "new.npz"), {}), top_k=3)
-    written = storage.open_group(result["answer"], {}, mode="r")
+    written = storage.open_group(str(tmp_path / "base" / "questions" / final.name / "influence.zarr"), {}, mode="r")  # where the flow writes it
+    assert written.attrs["work"]["gradient_rows"] == 9 and written.attrs["status"] == "complete"
     np.testing.assert_array_equal(np.asarray(written["topk_helpful_indices"][...]), expected.arrays["topk_helpful_indices"])
-    assert result["answer"].startswith(str(tmp_path / "base" / "questions"))
