@@ -36,6 +36,8 @@ class Answer:
 
     arrays: dict[str, np.ndarray]
     work: Work = field(default_factory=Work)
+    config: dict[str, Any] = field(default_factory=dict)  # the run's recorded parameters
+    data: DataRef | None = None  # the run's data (its training labels name the examples)
 
     def rows(self, y_train: Any, x: Any, y: np.ndarray, decode: Any, n_show: int) -> list[QueryRow]:
         return topk_rows(self.arrays, y_train, y, len(y), n_show, x, decode)
@@ -79,7 +81,7 @@ def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cp
         work.index_bytes += block.nbytes
         work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
         best.add((factors @ torch.from_numpy(block).to(device=factors.device, dtype=factors.dtype).T).float(), lo)
-    return Answer(best.arrays(), work)
+    return Answer(best.arrays(), work, config, data)
 
 
 class _Running:
@@ -121,7 +123,8 @@ def ask(store: RunStore, queries: str, top_k: int, output: RunStore | None = Non
     `output` when given. Returns the answer, its top-k rows (labels read as the run's task reads them) and the method."""
     x, y = query_arrays(queries, store.options)
     found = answer(store, x, y, top_k)
-    config, _, _, _, data = run_index(store)
+    config, data = found.config, found.data
+    assert data is not None
     if output is not None:
         write_answer(output.influence_url, found, store.output_url, output.options)
     rows = found.rows(open_data(data, store.options)["y_train"], x, y, task_decode(config["model"]), top_k)
