@@ -31,6 +31,7 @@ from ..methods.scorer import Scorer
 from ..self_influence import SelfInfluencePlan, describe
 from ..work import Work
 from .chunks import ChunkJob, Progress, execute
+from .layout import MIN_TASKS
 from .loading import index_projection, load_influence_model, open_data
 from .refs import DataRef, IndexRef, ModelRef, StageRef
 from .run_store import RunStore
@@ -39,7 +40,6 @@ from .specs import AggregateSpec, ComputeSpec, MethodSpec
 from .stage import StageCall, StageInput, StageLocation
 
 INDEX_CHUNK_BYTES = 4 * 2**20  # one stored chunk of index rows: what a scoring task reads per step
-MIN_TASKS = 8  # without compute.train_chunk_rows, at least this many tasks, so every worker of a cluster has work
 
 
 @dataclass(frozen=True)
