@@ -21,6 +21,18 @@ class ConfigError(ValueError):
         self.fix = fix
         super().__init__(f"{field}: {problem}. Fix: {fix}")
 
+    def __reduce__(self) -> tuple:
+        """Rebuilt from its three parts, so a refusal raised in a Dask worker reaches the driver whole (the default
+        pickling passes the one formatted message to __init__, which takes three)."""
+        return _rebuild, (type(self), self.field, self.problem, self.fix)
+
+
+def _rebuild(cls: type[ConfigError], field: str, problem: str, fix: str) -> ConfigError:
+    """A ConfigError (or subclass, whose own __init__ formats other arguments) from the parts it stored."""
+    error = cls.__new__(cls)
+    ConfigError.__init__(error, field, problem, fix)
+    return error
+
 
 class NumericalError(RuntimeError):
     """A solver or factorisation failed for numerical reasons (indefinite curvature, divergence)."""

@@ -111,3 +111,15 @@ def test_token_scores_with_magic_are_refused_in_one_line():
 
     with pytest.raises(ConfigError, match=r"^aggregate.token_scores: method magic .* Fix: set aggregate.token_scores to false"):
         RunParameters.from_sections(method={"name": "magic"}, aggregate={"top_k": 3, "token_scores": True})
+
+
+def test_a_refusal_pickled_to_or_from_a_dask_worker_keeps_its_field_and_line():
+    """Dask ships a task's exception by pickle: the default rebuild passed the one formatted line to an __init__
+    that takes three parts (or a λ), and failed on the driver."""
+    import pickle
+
+    from influence_core.errors import RegularizationError
+
+    for refusal in (ConfigError("dataset.source", "no such file", "give a path that exists"), RegularizationError("CG did not converge", 1e-7, 6.2e-4)):
+        back = pickle.loads(pickle.dumps(refusal))
+        assert type(back) is type(refusal) and back.field == refusal.field and str(back) == str(refusal)
