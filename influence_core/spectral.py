@@ -69,7 +69,8 @@ def nystroem(matmat: MatMat, dim: int, rank: int, seed: int, dtype: torch.dtype,
     omega, _ = torch.linalg.qr(torch.randn(dim, rank, generator=gen, dtype=torch.float64))
     omega = omega.to(device)
     sketch = matmat(omega.T.to(dtype)).T.to(torch.float64)  # (dim, rank) = C Ω
-    shift = torch.finfo(torch.float64).eps * dim**0.5 * torch.linalg.matrix_norm(sketch, ord=2)
+    # the products' own rounding (float32's, when the operator works in it) sets how indefinite C Ω may look
+    shift = torch.finfo(dtype).eps * dim**0.5 * torch.linalg.matrix_norm(sketch, ord=2)
     shifted = sketch + shift * omega
     core = omega.T @ shifted
     factor, info = torch.linalg.cholesky_ex((core + core.T) / 2)

@@ -82,3 +82,18 @@ def test_direct_on_an_indefinite_hessian_names_a_lambda_that_works():
     assert "gauss_newton" in error.fix and "\n" not in str(error)
     suggested = float(error.fix.split("to ")[1].split(" ")[0])
     DirectInfluence(model, "cross_entropy", suggested, second_order_mode="hessian").fit((x, y))  # now positive definite
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_float32_nystroem_sketch_of_a_singular_psd_operator_is_exact_at_full_rank(seed):
+    """A rank-6 PSD operator on p = 30 in float32 (a network's Gauss-Newton in miniature): its sketch's core looks
+    indefinite at float32's rounding, so the stabilising shift must be float32's, not float64's (which refused every
+    such sketch, and with it CG's `auto` self-influence in index_training); at rank p it reproduces the operator."""
+    from influence_core.spectral import nystroem
+
+    b = torch.randn(30, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    a = (b @ b.T).float()
+    values, vectors, trace = nystroem(lambda v: v @ a, 30, 30, seed, torch.float32, torch.device("cpu"))
+    rebuilt = (vectors.double() * values.double()) @ vectors.double().T
+    assert float((rebuilt - a.double()).abs().max()) <= 1e-5 * float(a.abs().max())
+    assert trace == pytest.approx(float(torch.trace(a.double())), rel=1e-5)
