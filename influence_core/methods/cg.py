@@ -78,6 +78,7 @@ class CgInfluence(InfluenceFunctionModel):
     options: CgOptions
     needs_positive_regularization = True  # the curvature of a network is singular: λ = 0 leaves CG nothing to converge to
     solve_block_bytes = 2 * 2**30  # block CG: more rows per block, fewer passes over the data in all
+    solves_on_data = True
 
     def make_solver(self, curvature: BlockCurvature, lam: float) -> BlockSolver:
         return CgSolver(curvature, lam, self.options)

@@ -110,6 +110,7 @@ class InfluenceFunctionModel(ABC):
     # Query rows the pipeline solves together, in float64 bytes of their gradients: small blocks let a block be
     # written while the next is solved; iterative solvers raise it, as every row of a block shares each data pass.
     solve_block_bytes: ClassVar[int] = 256 * 2**20
+    solves_on_data: ClassVar[bool] = False  # a query's solve passes over the training data (CG): blocks run as Dask tasks
     needs_positive_regularization: ClassVar[bool] = False
     row_order: ClassVar[RowOrder] = "parameters"  # how a layer's columns lie in a factor row
     cheap_solve: ClassVar[bool] = False  # whether `auto` self-influence may solve once per training example

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -14,13 +15,17 @@ import zarr
 
 from . import storage
 from .. import examples
+from ..errors import ConfigError
 from ..methods import LissaInfluence
+from ..methods.influence_model import InfluenceFunctionModel
 from ..reduction import summed_tasks
 from .refs import DataRef, ModelRef, StageRef
 from .specs import ComputeSpec, MethodSpec
 from .threads import TASK_THREADS, torch_threads
 from ..work import Work
+from .layout import MIN_TASKS
 from .loading import load_influence_model, open_data
+from .worker_logs import driver_logging, forwarded_library_logs, worker_library_logs
 from .stage import StageCall, StageInput, StageLocation
 from .run_store import RunStore
 
@@ -92,6 +97,74 @@ def _lissa_dense(method: MethodSpec, model: ModelRef, data: DataRef, preconditio
     return total, Work(**counted)
 
 
+CG_BLOCK_ROWS = 16  # the fewest queries a block of a data-pass solver (CG) solves together: they share its Krylov space
+LOG_POLL_SECONDS = 0.5  # while blocks run on workers, their log lines are re-emitted here at least this often
+
+
+def solve_rows(n_test: int, im: InfluenceFunctionModel) -> int:
+    """Queries per solve block: as many as fit the method's memory budget; a method whose solve passes over the
+    training data (CG) splits them further into MIN_TASKS blocks, each of at least CG_BLOCK_ROWS, so a cluster's
+    workers share them. A function of the data and the method only: every cluster kind solves the same blocks."""
+    rows = max(1, min(n_test, im.solve_block_bytes // (8 * im.objective.space.dim)))
+    return min(rows, max(CG_BLOCK_ROWS, math.ceil(n_test / MIN_TASKS))) if im.solves_on_data else rows
+
+
+def factor_block(method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], device: str, lo: int, hi: int, logs: tuple[int, float]) -> tuple[np.ndarray, dict[str, float]] | ConfigError:
+    """Queries lo..hi's factors and the work they took, logging as the driver does (`logs`): one Dask task. A
+    refusal (CG at its cap names method.maxiter) is returned, not raised, so Dask does not retry it."""
+    with torch_threads(TASK_THREADS), worker_library_logs(*logs):  # the same arithmetic on any cluster kind, sequential included
+        im = load_influence_model(method, model, data, preconditioner, options, device)
+        arrays = open_data(data, options)
+        x, y = examples.read(arrays["x_test"], slice(lo, hi)), examples.read(arrays["y_test"], slice(lo, hi))
+        try:
+            return im.influence_factors(x, y).cpu().numpy(), im.work.as_dict()
+        except ConfigError as refusal:
+            return refusal
+
+
+def _blocks_on_cluster(stage: QueryFactorsInput, spans: list[tuple[int, int]], client_factory: Callable[[], Any] | None) -> Iterator[tuple[int, np.ndarray, Work]]:
+    """(first row, factors, work) of each block as it is solved: Dask tasks spread over the cluster's workers, whose
+    progress lines reach this process's logs, or one block after another here."""
+    common = (stage.method, stage.model, stage.data, stage.preconditioner, stage.store.options, stage.device)
+    with client_factory() if client_factory is not None else nullcontext() as client, forwarded_library_logs(client) as drain:
+        if client is None:
+            solved: Iterable[tuple[int, Any]] = ((lo, factor_block(*common, lo, hi, driver_logging())) for lo, hi in spans)
+        else:
+            futures = {client.submit(factor_block, *common, lo, hi, driver_logging(), pure=False, retries=2): lo for lo, hi in spans}
+            solved = ((futures[future], result) for future, result in _as_solved(futures, drain))
+        for lo, result in solved:
+            if isinstance(result, ConfigError):
+                raise result
+            yield lo, result[0], Work(**result[1])
+
+
+def _as_solved(futures: dict[Any, int], drain: Callable[[], None]) -> Iterator[tuple[Any, Any]]:
+    """(future, result) as each finishes, re-emitting the workers' log lines at least every LOG_POLL_SECONDS meanwhile."""
+    from distributed import wait
+
+    pending = set(futures)
+    try:
+        while pending:
+            try:
+                done, pending = wait(pending, timeout=LOG_POLL_SECONDS, return_when="FIRST_COMPLETED")
+            except TimeoutError:  # none finished yet: pass on the lines that came meanwhile
+                done = set()
+            drain()
+            for future in done:
+                yield future, future.result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def _blocks_here(im: InfluenceFunctionModel, x_test: Any, y_test: Any, spans: list[tuple[int, int]], dense: np.ndarray | None) -> Iterator[tuple[int, np.ndarray, Work]]:
+    """(first row, factors, work) of each block, solved in this process: cheap solves, or LiSSA's summed repeats finished."""
+    for lo, hi in spans:
+        x, y = examples.read(x_test, slice(lo, hi)), examples.read(y_test, slice(lo, hi))
+        f = im.influence_factors(x, y) if dense is None else im.finish_factors(torch.from_numpy(dense[lo:hi]), x, y)
+        yield lo, f.cpu().numpy(), Work()
+
+
 def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Callable[[], Any] | None) -> dict[str, Any]:
     method, model, data, preconditioner, store = stage.method, stage.model, stage.data, stage.preconditioner, stage.store
     im = load_influence_model(method, model, data, preconditioner, store.options, stage.device)
@@ -102,26 +175,26 @@ def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Calla
     dense = None
     if method.name == "lissa":
         dense, work = _lissa_dense(method, model, data, preconditioner, store.options, stage.device, client_factory)
-    block = max(1, min(n_test, im.solve_block_bytes // (8 * im.objective.space.dim)))
+    block = solve_rows(n_test, im)
+    spans = [(lo, min(lo + block, n_test)) for lo in range(0, n_test, block)]
+    blocks = _blocks_on_cluster(stage, spans, client_factory) if im.solves_on_data else _blocks_here(im, x_test, y_test, spans, dense)
     url = loc.path("factors.zarr")
     out = None
     with ThreadPoolExecutor(max_workers=1) as writer:  # a block is written while the next one is solved
         pending: Future | None = None
-        for lo in range(0, n_test, block):
-            hi = min(lo + block, n_test)
-            x, y = examples.read(x_test, slice(lo, hi)), examples.read(y_test, slice(lo, hi))
-            f = im.influence_factors(x, y) if dense is None else im.finish_factors(torch.from_numpy(dense[lo:hi]), x, y)
+        for lo, f, done in blocks:
+            work += done
             if out is None:
                 group = storage.open_group(url, store.options, mode="w")
                 # uncompressed: solved factors are dense floats that zstd shrinks by ~15% but slows every worker's read 3×;
                 # every chunk written (no scan for chunks equal to the fill value)
                 out = group.create_array(
-                    "factors", shape=(n_test, f.shape[1]), chunks=(chunk_rows(block, f.shape[1] * f.element_size()), f.shape[1]), dtype=str(f.dtype).removeprefix("torch."),
+                    "factors", shape=(n_test, f.shape[1]), chunks=(chunk_rows(block, f.shape[1] * f.itemsize), f.shape[1]), dtype=str(f.dtype),
                     compressors=None, config={"write_empty_chunks": True},
                 )
             if pending is not None:
                 pending.result()  # one block in flight at most; a failed write fails the stage here
-            pending = writer.submit(write_rows, out, lo, f.cpu().numpy())
+            pending = writer.submit(write_rows, out, lo, f)
         if pending is not None:
             pending.result()
     assert out is not None
