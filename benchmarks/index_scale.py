@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
 import time
@@ -64,17 +64,20 @@ def build(out: Path, rows: int) -> dict:
 
 
 def ask(out: Path, queries: int, cold: bool) -> dict:
-    """One `influence-pipeline query` process: wall seconds, peak RSS, its printed work line."""
+    """One `influence-pipeline query` process: wall seconds, its own peak RSS (wait4's, not the build's), its work line."""
     rng = np.random.default_rng(1)
     np.savez(out / "queries.npz", x=rng.standard_normal((queries, 16)).astype(np.float32), y=rng.integers(0, 10, queries))
     dropped = drop_caches() if cold else False
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    log = out / "query.log"
     start = time.perf_counter()
-    done = subprocess.run([str(EXE), "query", str(out / "run"), "--queries", str(out / "queries.npz"), "--top", "5"], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([str(EXE), "query", str(out / "run"), "--queries", str(out / "queries.npz"), "--top", "5"], stdout=sink, stderr=subprocess.STDOUT, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"wall": wall, "peak_rss_mb": max(peak, before) / 1024, "cache_dropped": dropped, "line": done.stdout.strip().splitlines()[-1]}
+    printed = log.read_text()
+    assert proc.returncode == 0, printed[-3000:]
+    return {"wall": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "cache_dropped": dropped, "line": printed.strip().splitlines()[-1]}
 
 
 def main() -> None:

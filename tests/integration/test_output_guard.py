@@ -118,8 +118,8 @@ class CliRun:
 
 
 def printed_outcomes(log: str) -> dict[str, str]:
-    """The stage outcomes the CLI prints at the end of a run."""
-    found = dict(re.findall(r"^\s+(\w+)\s+(computed|cached|found complete)\s+[\d.]+ s$", log, flags=re.M))
+    """The stage outcomes the CLI prints at the end of a run (a stage's line may end with its metrics)."""
+    found = dict(re.findall(r"^\s+(\w+)\s+(computed|cached|found complete)\s+[\d.]+ s(?: [^\n]*)?$", log, flags=re.M))
     assert list(found) == STAGES, log[-3000:]
     return found
 
@@ -138,7 +138,6 @@ def run_two_at_once(tmp_path: Path, first, second) -> tuple[tuple[int, str], tup
     return runs[0].finish(), runs[1].finish()
 
 
-@pytest.mark.xfail(reason="failed in the last fresh-clone make test-e2e of stop 34 (after the training index and the helpers' merges), not yet diagnosed: see that stop's closing note", strict=False)
 @pytest.mark.slow
 def test_two_runs_at_once_with_the_same_parameters_share_the_work(tmp_path):
     params = small_params(str(tmp_path / "out"))
