@@ -19,13 +19,16 @@ from . import storage
 from .. import examples
 from ..errors import ConfigError
 from ..work import Work
+from ..objective import Objective
+from .data import check_block
 from .layout import DIMENSIONS
+from .models import check_queries, probe_forward
 from .loading import index_projection, load_influence_model, open_data
 from .publish import read_attrs, stored_refs, task_decode
 from .refs import DataRef, IndexRef, ModelRef
 from .report import QueryRow, topk_rows
 from .run_store import RunStore
-from .specs import MethodSpec
+from .specs import MethodSpec, ModelSpec
 
 TOPK = ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores")
 
@@ -67,6 +70,7 @@ def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cp
         raise ConfigError("--top", f"{top_k} exceeds the run's {data.n_train} training examples", f"give --top {data.n_train} or less")
     method = TypeAdapter(MethodSpec).validate_python(config["method"])
     im = load_influence_model(method, model, data, curvature, store.options, device)
+    check_question(ModelSpec.model_validate(config["model"]), data, im.objective, x, y)
     xq, yq = im.objective.to_model(x, torch.as_tensor(y))
     factors = im.influence_factors(xq, yq)
     if index.compression == "logra":
@@ -82,6 +86,21 @@ def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cp
         work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
         best.add((factors @ torch.from_numpy(block).to(device=factors.device, dtype=factors.dtype).T).float(), lo)
     return Answer(best.arrays(), work, config, data)
+
+
+def check_question(spec: ModelSpec, data: DataRef, objective: Objective, x: Any, y: np.ndarray) -> None:
+    """The queries fit the run's model, or one line naming --queries before any solve: one row of the model's input
+    shape and one label per query, finite values, token ids and labels the model takes."""
+    shape, rows = tuple(data.feature_shape), np.asarray(x)
+    if tuple(rows.shape[1:]) != shape or len(y) != len(rows):
+        raise ConfigError("--queries", f"x of shape {rows.shape} and {len(y)} labels; the run's model takes one row of shape {shape} and one label per query", f"save x as (n_queries, {', '.join(map(str, shape))}) and y with n_queries rows")
+    try:
+        check_block(rows, y, "test", 0)
+        check_queries(spec, {"x_test": rows})
+        probe_forward(objective, spec, x[:64], torch.as_tensor(y[:64]))
+        objective.check_outputs(torch.as_tensor(x), torch.as_tensor(y))
+    except ConfigError as exc:
+        raise ConfigError("--queries", f"the queries do not fit the run's model ({exc.field}): {exc.problem}", "ask with inputs and labels encoded as the run's training data is (its dataset and model settings are in its summary.json)") from None
 
 
 class _Running:

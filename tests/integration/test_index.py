@@ -151,6 +151,32 @@ def test_query_refuses_a_run_without_an_index(tmp_path, prefect_api):
     assert done.output.strip().splitlines() == [f"run: the run at {params.output_url} has no training index. Fix: rerun it with compute.index_budget_gb large enough (its summary.json says how large), then ask again"]
 
 
+def test_query_refuses_queries_the_run_s_model_does_not_take_in_one_line(tmp_path, prefect_api):
+    """Queries of the wrong width, a label beyond the model's 10 classes, a NaN: one line naming --queries, exit 1,
+    before any solve (a traceback from deep in the forward pass or the loss before)."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    params = _npz_params(tmp_path, "a", slice(0, 10))
+    influence_run(**params.sections())
+    x, y = load_digits(return_X_y=True)
+    good_x, good_y = x[300:305].astype(np.float32), y[300:305]
+    nan_x = good_x.copy()
+    nan_x[2, 5] = np.nan
+    cases = {
+        "narrow": (good_x[:, :63], good_y, "x of shape (5, 63) and 5 labels; the run's model takes one row of shape (64,) and one label per query"),
+        "label": (good_x, np.array([1, 2, 12, 3, 4]), "the queries do not fit the run's model"),
+        "nan": (nan_x, good_y, "x_test holds NaN or inf (first at row 2)"),
+    }
+    for name, (qx, qy, expected) in cases.items():
+        np.savez(tmp_path / f"{name}.npz", x=qx, y=qy)
+        done = CliRunner().invoke(app, ["query", params.output_url, "--queries", str(tmp_path / f"{name}.npz")])
+        lines = done.output.strip().splitlines()
+        assert done.exit_code == 1 and len(lines) == 1, (name, done.output)
+        assert lines[0].startswith("--queries: ") and expected in lines[0], (name, lines[0])
+
+
 @pytest.mark.parametrize(("method", "pearson_floor", "recall_floor"), [("ekfac", 0.95, 0.8), ("identity", 0.98, 0.9)])
 def test_an_index_over_budget_is_compressed_and_tracks_the_exact_scores(tmp_path, method, pearson_floor, recall_floor):
     """Over compute.index_budget_gb the index is LoGra-compressed (side 32, float16: 2,688 bytes a row against 9,640
