@@ -175,7 +175,9 @@ def _torch_source(spec: PathDataset) -> Source:
 
 
 def _held_out(n: int, spec: HeldOutDataset) -> np.ndarray:
-    """Sorted, seeded random query rows: n_test of them, or test_fraction of n."""
+    """Sorted, seeded random query rows: n_test of them, or test_fraction of n. They are part of the data's definition:
+    another n_test moves rows between the splits and retrains; new queries of the same training rows are asked with
+    `influence-pipeline query` (or a file with its own test split)."""
     count = min(spec.n_test or max(1, int(spec.test_fraction * n)), n - 1)
     return np.sort(np.random.default_rng(spec.seed).choice(n, count, replace=False))
 
@@ -276,12 +278,15 @@ def _npz(spec: PathDataset, options: dict[str, Any]) -> Source:
 
 def _python_docs(spec: PythonDocsDataset) -> Source:
     """Language modelling on byte windows of the standard library's docstrings: seeded shuffled windows for training,
-    then the 'prompt|completion' queries (or held-out windows); labels are the inputs' own ids."""
+    then the 'prompt|completion' queries (or held-out windows); labels are the inputs' own ids. Without queries the
+    last fifth of the shuffled windows is held out and the queries are its first n_test, so the training rows are
+    the same for every n_test (and the training side's stages are reused when only the queries change)."""
     rows = python_docs.windows(python_docs.corpus(), spec.window)
     rows = rows[np.random.default_rng(spec.seed).permutation(len(rows))]
-    n_test = 0 if spec.queries else min(spec.n_test or 20, len(rows) // 5)
-    train = rows[n_test:][: spec.n_train]
-    x_test, y_test = python_docs.query_rows(spec.queries, spec.window) if spec.queries else (rows[:n_test], rows[:n_test])
+    held_out = 0 if spec.queries else len(rows) // 5
+    train = rows[: len(rows) - held_out][: spec.n_train]
+    pool = rows[len(rows) - held_out :][: spec.n_test or 20]
+    x_test, y_test = python_docs.query_rows(spec.queries, spec.window) if spec.queries else (pool, pool)
     return Source(_in_memory_split(train, train, None), _in_memory_split(x_test, y_test, None), None, None)
 
 

@@ -51,6 +51,23 @@ def test_n_train_caps_the_streamed_training_rows(tmp_path, xy):
     np.testing.assert_array_equal(arrays_of(ref, store)["x_train"], x[keep])
 
 
+def test_python_docs_trains_on_the_same_windows_whatever_the_number_of_queries(tmp_path):
+    """Asking 10 or 30 held-out windows leaves the training windows, and the training fingerprint that keys the
+    training side's stages, as they were (the queries were cut from the training windows' front before)."""
+    from influence_core.pipeline.specs import PythonDocsDataset
+
+    refs, arrays = [], []
+    for n_test in (10, 30):
+        store = RunStore(output_url=str(tmp_path / f"out{n_test}"))
+        refs.append(prepare.run(prepare.PrepareInput(PythonDocsDataset(window=32, n_train=200, n_test=n_test), store)))
+        arrays.append(arrays_of(refs[-1], store))
+        assert arrays[-1]["x_test"].shape == (n_test, 32)
+    np.testing.assert_array_equal(arrays[0]["x_train"], arrays[1]["x_train"])
+    np.testing.assert_array_equal(arrays[0]["x_test"], arrays[1]["x_test"][:10])
+    assert not (arrays[1]["x_test"][:, None] == arrays[1]["x_train"][None]).all(-1).any()  # no query is a training window
+    assert refs[0].training.fingerprint == refs[1].training.fingerprint and refs[0].fingerprint != refs[1].fingerprint
+
+
 def test_fingerprint_is_content_not_chunking(tmp_path, xy):
     x, y = xy
     np.savez(tmp_path / "d.npz", x_train=x[:150], y_train=y[:150], x_test=x[150:], y_test=y[150:])
