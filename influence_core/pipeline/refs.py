@@ -99,6 +99,7 @@ class ScoresRef(StageRef):
     gradient_rows: int
     self_influence: dict[str, Any]
     candidates: dict[str, Any] = {}  # FastIF's prefilter: k, index, scored rows, feature and index seconds (empty: full scores)
+    ran: str = ""  # where the chunks ran: the cluster's kind, or the flow's process for a small index's products
 
 
 class IndexRef(StageRef):

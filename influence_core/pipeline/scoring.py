@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from .models import load_state
 from .refs import DataRef, IndexRef, ScoresRef
 from ..self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
 from .score_input import Member, ScoringInput, output_bytes
-from .specs import AggregateSpec
+from .specs import AggregateSpec, ClusterKind
 from ..work import Work
 from ..methods import InfluenceFunctionModel
 from .loading import index_projection, load_influence_model, save_tensors
@@ -232,14 +233,26 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
     return group
 
 
+IN_PROCESS_INDEX_BYTES = 256 * 2**20  # an index read smaller than this is scored here: starting workers costs more than its GEMMs
+
+
+def in_process(job: ScoreJob) -> bool:
+    """Whether the chunks run in this process, not on the cluster: a small index's products on this machine (the
+    cluster's own, so not an `address` cluster's), with the chunk tasks' arithmetic, so the same bits."""
+    if not isinstance(job, IndexScoreJob) or job.stage.compute.cluster == ClusterKind.address:
+        return False
+    return sum(member.index.bytes_per_row for member in job.stage.members if member.index is not None) * job.stage.data.n_train < IN_PROCESS_INDEX_BYTES
+
+
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
     work = Work()
     with_self_influence, described = job.before_chunks(work)
     group = _prepare_arrays(job, with_self_influence)
     layout = job.stage.layout
     chunks = job.pending(list(range(layout.n_tasks)))
+    here = in_process(job)
     if chunks:
-        with client_factory() as client:
+        with nullcontext() if here else client_factory() as client:
             work += execute(job, chunks, layout.n_tasks, client, on_progress)
     if with_self_influence:
         group["self_influence"].attrs["fingerprint"] = job.key
@@ -251,6 +264,7 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
         "dtype": "float32",
         "n_chunks": layout.n_tasks,
         "chunks_computed": len(chunks),
+        "ran": "in the flow's process (an index of under 256 MiB: no workers started)" if here else ClusterKind(job.stage.compute.cluster).value,
         "gradient_rows": work.gradient_rows,
         "work": work.as_dict(),
         "self_influence": described,

@@ -79,15 +79,20 @@ def _run(tmp_path, name: str, queries: slice, cache: str):
     return json.loads((tmp_path / name / "summary.json").read_text()), read_outputs(params.store())[1]
 
 
-def test_new_queries_reuse_the_training_side(tmp_path, prefect_api):
+def test_new_queries_reuse_the_training_side(tmp_path, prefect_api, monkeypatch):
     """Run B asks 15 new queries of run A's training rows (a shared stage cache): fit_model, fit_preconditioner,
     index_training and validation's retrainings are reused, B evaluates gradients of its 15 queries only, and its
-    outputs are bit-identical to a fresh run of B's parameters."""
+    outputs are bit-identical to a fresh run of B's parameters, whose index products ran on the local cluster where
+    B's (a small index) ran in the flow's process."""
+    from influence_core.pipeline import scoring
+
     cache = str(tmp_path / "cache")
     first, _ = _run(tmp_path, "a", slice(0, 10), cache)
     again, reused = _run(tmp_path, "b", slice(10, 25), cache)
+    monkeypatch.setattr(scoring, "IN_PROCESS_INDEX_BYTES", 0)  # every index on the cluster
     fresh, expected = _run(tmp_path, "fresh", slice(10, 25), str(tmp_path / "fresh-cache"))
     stages = again["stages"]
+    assert stages["compute_influences"]["ran"].startswith("in the flow's process") and fresh["stages"]["compute_influences"]["ran"] == "local"
     for name in ("fit_model", "fit_preconditioner", "index_training"):
         assert first["stages"][name]["outcome"] == "computed"
         assert stages[name]["outcome"] in ("cached", "found complete"), name
