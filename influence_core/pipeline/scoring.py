@@ -233,15 +233,19 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
     return group
 
 
-IN_PROCESS_INDEX_BYTES = 256 * 2**20  # an index read smaller than this is scored here: starting workers costs more than its GEMMs
+IN_PROCESS_INDEX_BYTES = 256 * 2**20  # a small index's products run here: starting workers costs more than its GEMMs,
+IN_PROCESS_FLOPS = 8e9  # a few seconds of one core; more queries than that go to the cluster's workers
 
 
 def in_process(job: ScoreJob) -> bool:
-    """Whether the chunks run in this process, not on the cluster: a small index's products on this machine (the
-    cluster's own, so not an `address` cluster's), with the chunk tasks' arithmetic, so the same bits."""
+    """Whether the chunks run in this process, not on the cluster: a small index's products for few queries, on this
+    machine (the cluster's own, so not an `address` cluster's), with the chunk tasks' arithmetic, so the same bits."""
     if not isinstance(job, IndexScoreJob) or job.stage.compute.cluster == ClusterKind.address:
         return False
-    return sum(member.index.bytes_per_row for member in job.stage.members if member.index is not None) * job.stage.data.n_train < IN_PROCESS_INDEX_BYTES
+    indexes = [member.index for member in job.stage.members if member.index is not None]
+    n_test, n_train = job.stage.layout.n_test, job.stage.data.n_train
+    size = sum(index.bytes_per_row for index in indexes) * n_train
+    return size < IN_PROCESS_INDEX_BYTES and sum(2.0 * n_test * n_train * index.shape[1] for index in indexes) < IN_PROCESS_FLOPS
 
 
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
@@ -264,7 +268,7 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
         "dtype": "float32",
         "n_chunks": layout.n_tasks,
         "chunks_computed": len(chunks),
-        "ran": "in the flow's process (an index of under 256 MiB: no workers started)" if here else ClusterKind(job.stage.compute.cluster).value,
+        "ran": "in the flow's process (under 256 MiB of index and 8 GFLOP: no workers started)" if here else ClusterKind(job.stage.compute.cluster).value,
         "gradient_rows": work.gradient_rows,
         "work": work.as_dict(),
         "self_influence": described,
