@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from influence_core import IdentityInfluence, contraction, layers
 from influence_core.contraction import GradientSplit
 from influence_core.methods.scorer import Scorer
-from influence_core.pipeline.transformer import TokenTransformer
+from influence_core.pipeline.model.transformer import TokenTransformer
 
 CONTEXT, WIDTH, HEADS, BLOCKS = 63, 128, 4, 2
 

@@ -58,7 +58,7 @@ def run(base: dict[str, Any], root: Path, name: str, method: dict[str, Any], knn
     """One flow run; its summary and its arrays."""
     from flows.influence_run import influence_run
     from flows.parameters import RunParameters
-    from influence_core.pipeline import storage
+    from influence_core.pipeline.store import storage
 
     config = {
         **base,
@@ -77,10 +77,10 @@ def run(base: dict[str, Any], root: Path, name: str, method: dict[str, Any], knn
 
 def stored(root: Path, name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The run's trained model and its four data arrays."""
-    from influence_core.pipeline import storage
-    from influence_core.pipeline.loading import load_model, open_data
-    from influence_core.pipeline.publish import stored_refs
-    from influence_core.pipeline.run_store import RunStore
+    from influence_core.pipeline.store import storage
+    from influence_core.pipeline.store.loading import load_model, open_data
+    from influence_core.pipeline.store.publish import stored_refs
+    from influence_core.pipeline.store.run_store import RunStore
 
     store = RunStore(output_url=str(root / name))
     refs = stored_refs(store, storage.open_group(store.influence_url, {}, mode="r").attrs)
@@ -102,7 +102,7 @@ def library_speed(model: torch.nn.Module, data: dict[str, torch.Tensor], ks: lis
     """In one process, no cluster and no stage overheads (FastIF's setting: a few queries at a time): seconds of
     the full scores of n_q queries against candidate_influences (features, kNN, candidates' gradients), best of 3."""
     from influence_core import DirectInfluence
-    from influence_core.pipeline.knn_prefilter import candidate_influences
+    from influence_core.pipeline.score.knn_prefilter import candidate_influences
 
     x, y = data["x_train"], data["y_train"]
     im = DirectInfluence(model, "cross_entropy", EXACT["regularization"], second_order_mode="gauss_newton").fit((x, y))
@@ -146,7 +146,7 @@ def measure(label: str, base: dict[str, Any], fast_method: dict[str, Any], root:
     scores = full["scores"]
     n_test, n_train = scores.shape
     ks = sorted({k for k in (1, 3, 10, 30, 100, 300, 1000, 3000, 10000) if k < n_train} | {n_train})
-    from influence_core.pipeline.knn_prefilter import knn_candidates
+    from influence_core.pipeline.score.knn_prefilter import knn_candidates
 
     model, data = stored(root, "full")
     knn = knn_candidates(model, data["x_train"], data["x_test"], n_train, index="flat")  # exact, nearest first: every k is a prefix

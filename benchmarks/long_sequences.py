@@ -34,7 +34,7 @@ def one_case(length: int, n: int, batch: int) -> dict:
 
     from benchmarks.memory import PeakRSS
     from influence_core import EkfacInfluence
-    from influence_core.pipeline.transformer import TokenTransformer
+    from influence_core.pipeline.model.transformer import TokenTransformer
 
     torch.set_num_threads(2)
     torch.manual_seed(0)

@@ -107,9 +107,9 @@ def pydvl_ratio(root: Path) -> list[str]:
     lines = ["| n_train | pyDVL fit + Dask influences s | this engine: fit + factors + scores s | ratio pyDVL / ours | same scores |", "|---|---|---|---|---|"]
     import torch
 
-    from influence_core.pipeline import storage
-    from influence_core.pipeline.loading import open_data
-    from influence_core.pipeline.publish import stored_refs
+    from influence_core.pipeline.store import storage
+    from influence_core.pipeline.store.loading import open_data
+    from influence_core.pipeline.store.publish import stored_refs
 
     from distributed import Client, LocalCluster
 

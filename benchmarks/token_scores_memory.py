@@ -1,7 +1,7 @@
 """Peak RSS of per-token storage (issue 37 item 5): the aggregate step of `aggregate.token_scores` on the text demo's
 model shape (byte-level causal transformer, d_model 128, 2 blocks, EK-FAC), at T = 128 and T = 512, each in its own
 process: the sequence scores alone, then the same plus each query's top-k rows per token, query by query as
-`influence_core/pipeline/token_scores.py` does. Usage: python -m benchmarks.token_scores_memory [--n-train 256]"""
+`influence_core/pipeline/score/token_scores.py` does. Usage: python -m benchmarks.token_scores_memory [--n-train 256]"""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 
 from influence_core import EkfacInfluence
 from influence_core.methods.scorer import Scorer
-from influence_core.pipeline.token_scores import query_rows
-from influence_core.pipeline.transformer import TokenTransformer
+from influence_core.pipeline.score.token_scores import query_rows
+from influence_core.pipeline.model.transformer import TokenTransformer
 from influence_core.task import LanguageModelling
 
 

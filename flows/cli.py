@@ -15,8 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from influence_core.pipeline.run_store import RunStore
-    from influence_core.pipeline.report import QueryRow
+    from influence_core.pipeline.store.run_store import RunStore
+    from influence_core.pipeline.report.report import QueryRow
 
     from .parameters import RunParameters
 
@@ -110,7 +110,7 @@ def print_table(rows: list[QueryRow], title: str) -> None:
 def print_tokens(rows: list[QueryRow]) -> None:
     """Each query, then each of its helpful and harmful passages with every token on a background shaded by its
     score (green helpful, red harmful; each passage's strongest token fully), as report.png draws them."""
-    from influence_core.pipeline.report import passage_scale, shade
+    from influence_core.pipeline.report.report import passage_scale, shade
 
     for row in rows:
         console.print(Text(f"query {row.query}: {row.label}", style="bold"))
@@ -145,8 +145,8 @@ def execute(params: RunParameters) -> None:
     from prefect.logging.handlers import APILogWorker
 
     from influence_core.errors import ConfigError
-    from influence_core.pipeline.publish import read_run
-    from influence_core.pipeline.report import stage_note
+    from influence_core.pipeline.store.publish import read_run
+    from influence_core.pipeline.report.report import stage_note
 
     from .influence_run import influence_run
     from .interrupts import Interrupted, interruptible
@@ -166,7 +166,7 @@ def execute(params: RunParameters) -> None:
         console.print(f"  {name:<24} {stage['outcome']:<15} {stage['wall_seconds']:8.2f} s   {stage_note(stage)}".rstrip(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"  {'whole run':<24} {'wall time':<15} {summary['wall_seconds']:8.2f} s", markup=False, highlight=False, soft_wrap=True)
     if "validation" in summary:
-        from influence_core.pipeline.report import lds_line
+        from influence_core.pipeline.report.report import lds_line
 
         console.print(lds_line(summary["validation"]))
     console.print(f"Task:                  {summary['task']}")
@@ -206,7 +206,7 @@ def show(
 ) -> None:
     """Print the top-k table of a finished run (with --tokens, its passages highlighted token by token)."""
     from influence_core.errors import ConfigError
-    from influence_core.pipeline.publish import read_run
+    from influence_core.pipeline.store.publish import read_run
 
     store = open_store(output_url, endpoint_url)
     try:
@@ -222,7 +222,7 @@ def show(
         print_table(rows, f"{store.output_url}: method={method}, top training examples per query")
     validation = attrs.get("refs", {}).get("validate")
     if validation:
-        from influence_core.pipeline.report import lds_line
+        from influence_core.pipeline.report.report import lds_line
 
         console.print(lds_line(validation))
 
@@ -240,7 +240,7 @@ def query(
     import time
 
     from influence_core.errors import ConfigError
-    from influence_core.pipeline.query import ask
+    from influence_core.pipeline.score.query import ask
 
     store = open_store(run, endpoint_url)
     start = time.perf_counter()
@@ -259,7 +259,7 @@ def verify(
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
 ) -> None:
     """Check a run: complete, every array of the output layout with its shape, aggregates equal to the scores'. Exit 1 on any failure."""
-    from influence_core.pipeline.verify import verify_run
+    from influence_core.pipeline.report.verify import verify_run
 
     store = open_store(output_url, endpoint_url)
     checks = verify_run(store)
@@ -279,7 +279,7 @@ def open_store(output_url: str, endpoint_url: str | None) -> RunStore:
     """The run's location for show and verify; a bad URL is an invalid parameter (exit 2)."""
     from pydantic import ValidationError
 
-    from influence_core.pipeline.run_store import RunStore
+    from influence_core.pipeline.store.run_store import RunStore
     from influence_core.pipeline.specs import StorageSpec
 
     from .messages import validation_lines

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
-from influence_core.pipeline.refs import DataRef, ModelRef, ScoresRef
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.store.refs import DataRef, ModelRef, ScoresRef
+from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MagicMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 from tasks import aggregate, compute_influences, compute_metagradients, compute_test_factors, fit_model, fit_preconditioner, index_training, prepare_data, validate_run
 from tasks.guards import begin_output, check_data, check_run, run_session

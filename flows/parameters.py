@@ -10,11 +10,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from influence_core.pipeline import storage
-from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.metagradients import check_magic
-from influence_core.pipeline.training import check_ensemble
-from influence_core.pipeline.validation import check_validate
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.run_store import RunStore
+from influence_core.pipeline.stages.metagradients import check_magic
+from influence_core.pipeline.stages.training import check_ensemble
+from influence_core.pipeline.stages.validation import check_validate
 from influence_core.errors import ConfigError
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MagicMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
 

@@ -1,12 +1,12 @@
 """The on-demand question as a flow: a UI user names a finished run and a file of new queries; the run's model,
-curvature and training index answer it, with no training gradient (`influence_core.pipeline.query`)."""
+curvature and training index answer it, with no training gradient (`influence_core.pipeline.score.query`)."""
 
 from typing import Any
 
 from prefect import flow
 from pydantic import Field
 
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.specs import StorageSpec
 from tasks.question import answer_question
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from influence_core.pipeline import publish
-from influence_core.pipeline.aggregation import check_top_k
-from influence_core.pipeline.candidate_scoring import check_knn_k
-from influence_core.pipeline.loading import open_data
-from influence_core.pipeline.models import check_queries
-from influence_core.pipeline.cluster import shared_clusters
-from influence_core.pipeline.preconditioner import check_method
-from influence_core.pipeline.preflight import preflight
-from influence_core.pipeline.refs import DataRef
-from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.runlock import exclusive_run
-from influence_core.pipeline.scoring import space_warning
+from influence_core.pipeline.store import publish
+from influence_core.pipeline.stages.aggregation import check_top_k
+from influence_core.pipeline.score.candidate_scoring import check_knn_k
+from influence_core.pipeline.store.loading import open_data
+from influence_core.pipeline.model.models import check_queries
+from influence_core.pipeline.runtime.cluster import shared_clusters
+from influence_core.pipeline.stages.preconditioner import check_method
+from influence_core.pipeline.runtime.preflight import preflight
+from influence_core.pipeline.store.refs import DataRef
+from influence_core.pipeline.store.run_store import RunStore
+from influence_core.pipeline.store.runlock import exclusive_run
+from influence_core.pipeline.score.scoring import space_warning
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec, ModelSpec
-from influence_core.pipeline.token_scores import token_positions
+from influence_core.pipeline.score.token_scores import token_positions
 
 
 def check_run(store: RunStore, compute: ComputeSpec, model: ModelSpec, fingerprint: str, overwrite: bool) -> None:

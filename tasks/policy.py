@@ -21,8 +21,8 @@ from prefect.context import TaskRunContext
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.settings import PREFECT_HOME
 
-from influence_core.pipeline.stage import StageInput
-from influence_core.pipeline.refs import StageRef
+from influence_core.pipeline.store.stage import StageInput
+from influence_core.pipeline.store.refs import StageRef
 
 from .progress import library_logs
 

@@ -9,10 +9,10 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
-from influence_core.pipeline import publish, storage
-from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.refs import StageRef
-from influence_core.pipeline.report import summary_markdown, table_records, validation_markdown
+from influence_core.pipeline.store import publish, storage
+from influence_core.pipeline.store.run_store import RunStore
+from influence_core.pipeline.store.refs import StageRef
+from influence_core.pipeline.report.report import summary_markdown, table_records, validation_markdown
 from influence_core.pipeline.specs import AggregateSpec
 
 from .policy import is_transient

@@ -7,9 +7,9 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from influence_core.pipeline import query
-from influence_core.pipeline.report import table_records
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.score import query
+from influence_core.pipeline.report.report import table_records
+from influence_core.pipeline.store.run_store import RunStore
 
 from .policy import is_transient
 from .publish import TABLE_MAX_K

@@ -9,9 +9,9 @@ from typing import Any, TypeVar
 
 from prefect.tasks import Task
 
-from influence_core.pipeline.refs import StageRef
-from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.stage import StageInput, producer
+from influence_core.pipeline.store.refs import StageRef
+from influence_core.pipeline.store.run_store import RunStore
+from influence_core.pipeline.store.stage import StageInput, producer
 
 R = TypeVar("R", bound=StageRef)
 

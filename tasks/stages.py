@@ -4,19 +4,20 @@ exported here for the flow."""
 
 from __future__ import annotations
 
-from influence_core.pipeline import aggregation, index, metagradients, preconditioner, prepare, query_factors, scoring, training, validation
-from influence_core.pipeline.aggregation import AggregationInput
-from influence_core.pipeline.index import IndexInput
-from influence_core.pipeline.metagradients import MagicInput
-from influence_core.pipeline.cluster import dask_client
-from influence_core.pipeline.preconditioner import PreconditionerInput
-from influence_core.pipeline.prepare import PrepareInput
-from influence_core.pipeline.query_factors import QueryFactorsInput
-from influence_core.pipeline.refs import IndexRef, ScoresRef, StageRef, ValidationRef
-from influence_core.pipeline.score_input import Member, ScoringInput
+from influence_core.pipeline.stages import aggregation, index, metagradients, preconditioner, prepare, query_factors, training, validation
+from influence_core.pipeline.score import scoring
+from influence_core.pipeline.stages.aggregation import AggregationInput
+from influence_core.pipeline.stages.index import IndexInput
+from influence_core.pipeline.stages.metagradients import MagicInput
+from influence_core.pipeline.runtime.cluster import dask_client
+from influence_core.pipeline.stages.preconditioner import PreconditionerInput
+from influence_core.pipeline.stages.prepare import PrepareInput
+from influence_core.pipeline.stages.query_factors import QueryFactorsInput
+from influence_core.pipeline.store.refs import IndexRef, ScoresRef, StageRef, ValidationRef
+from influence_core.pipeline.score.score_input import Member, ScoringInput
 from influence_core.pipeline.specs import METHOD_CLASSES
-from influence_core.pipeline.training import TrainingInput
-from influence_core.pipeline.validation import ValidationInput
+from influence_core.pipeline.stages.training import TrainingInput
+from influence_core.pipeline.stages.validation import ValidationInput
 
 from .policy import stage_task
 from .progress import ChunkProgress

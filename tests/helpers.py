@@ -10,10 +10,10 @@ import zarr
 
 from flows.parameters import RunParameters
 from influence_core import examples
-from influence_core.pipeline import storage
-from influence_core.pipeline.loading import load_model, open_data
-from influence_core.pipeline.publish import stored_refs
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.loading import load_model, open_data
+from influence_core.pipeline.store.publish import stored_refs
+from influence_core.pipeline.store.run_store import RunStore
 
 
 def small_params(output_url: str, **overrides: Any) -> RunParameters:

@@ -34,7 +34,7 @@ def is_language_model(spec: dict[str, Any]) -> bool:
 def _token_transformer() -> type[nn.Module]:
     """The pipeline's built-in `transformer` class, loaded from its file (it needs only torch), so the peers' venvs
     build the very module whose state_dict the pipeline loads as `model.checkpoint`."""
-    path = Path(__file__).resolve().parents[2] / "influence_core" / "pipeline" / "transformer.py"
+    path = Path(__file__).resolve().parents[2] / "influence_core" / "pipeline" / "model" / "transformer.py"
     loader = importlib.util.spec_from_file_location("benchmark_transformer", path)
     assert loader is not None and loader.loader is not None
     module = importlib.util.module_from_spec(loader)

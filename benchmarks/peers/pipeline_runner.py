@@ -79,7 +79,7 @@ def main() -> None:
 
     from flows.influence_run import influence_run
     from flows.parameters import RunParameters
-    from influence_core.pipeline import storage
+    from influence_core.pipeline.store import storage
 
     params = RunParameters.model_validate(parameters(a.workload, json.loads(a.method), a.regularization, a.out))
     with PeakRSS() as memory:

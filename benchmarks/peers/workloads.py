@@ -74,9 +74,9 @@ def _synthetic(spec: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _python_docs(spec: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Windows of `features` bytes of the docstrings (influence_core.pipeline.python_docs, as `make demo-text`),
+    """Windows of `features` bytes of the docstrings (influence_core.pipeline.sources.python_docs, as `make demo-text`),
     shuffled with the seed: the first n_test are the queries, the next n_train the training set; labels = inputs."""
-    from influence_core.pipeline import python_docs
+    from influence_core.pipeline.sources import python_docs
 
     rows = python_docs.windows(python_docs.corpus(), spec["features"])
     rows = rows[np.random.default_rng(spec["seed"]).permutation(len(rows))]

@@ -17,11 +17,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 import torch
 from torch import nn
 
-from .knn_prefilter import resolve_module
-from .dotted import DOTTED, make_from
+from .score.knn_prefilter import resolve_module
+from .sources.dotted import DOTTED, make_from
 from ..errors import ConfigError
-from .losses import LossName
-from .transformer import TokenTransformer
+from .model.losses import LossName
+from .model.transformer import TokenTransformer
 from ..projection import Projection
 from ..task import BUILTIN, Classification, Task
 from ..training import AdamRecipe

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from influence_core.pipeline import storage
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.specs import StorageSpec
 from tests.e2e.conftest import PREFECT, REPO
 from tests.helpers import small_params
@@ -229,7 +229,7 @@ def test_question_deployment_answers_new_queries_from_a_runs_index(deployed, tmp
     the library-level answer from that run's index, and it evaluates the queries' gradients alone."""
     from sklearn.datasets import load_digits
 
-    from influence_core.pipeline.query import answer, query_arrays
+    from influence_core.pipeline.score.query import answer, query_arrays
 
     params = small_params(str(tmp_path / "base"))
     x, y = load_digits(return_X_y=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from influence_core.pipeline import storage
+from influence_core.pipeline.store import storage
 
 pytestmark = pytest.mark.e2e
 CHROMIUM = Path("/usr/bin/chromium")

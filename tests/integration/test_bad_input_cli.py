@@ -34,7 +34,7 @@ from flows.cli import app
 from flows.influence_run import influence_run
 from flows.parameters import RunParameters
 from influence_core import ConfigError
-from influence_core.pipeline import storage
+from influence_core.pipeline.store import storage
 from tests.helpers import small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

@@ -17,7 +17,7 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.store.run_store import RunStore
 from influence_core.version import CODE_VERSION
 from tests.helpers import read_outputs, small_params
 
@@ -104,7 +104,7 @@ def test_bad_override_is_reported_by_field(tmp_path):
 
 
 def test_show_refuses_an_incomplete_run(tmp_path):
-    from influence_core.pipeline import storage
+    from influence_core.pipeline.store import storage
 
     group = storage.open_group(str(tmp_path / "influence.zarr"), {}, mode="w")
     group.attrs["status"] = "running"

@@ -16,9 +16,9 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from flows.cli import app
-from influence_core.pipeline import storage
-from influence_core.pipeline.scoring import space_warning
-from influence_core.pipeline.refs import DataRef
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.score.scoring import space_warning
+from influence_core.pipeline.store.refs import DataRef
 from tests.helpers import read_outputs, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

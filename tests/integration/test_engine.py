@@ -20,12 +20,14 @@ import yaml
 from distributed import Client, LocalCluster, WorkerPlugin
 
 from influence_core import ConfigError
-from influence_core.pipeline import preconditioner, prepare, query_factors, scoring, storage, training
-from influence_core.pipeline.chunks import chunk_task
-from influence_core.pipeline.cluster import dask_client, shared_clusters
-from influence_core.pipeline.layout import score_layout
-from influence_core.pipeline.loading import open_data
-from influence_core.pipeline.score_input import ScoringInput
+from influence_core.pipeline.stages import preconditioner, prepare, query_factors, training
+from influence_core.pipeline.score import scoring
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.score.chunks import chunk_task
+from influence_core.pipeline.runtime.cluster import dask_client, shared_clusters
+from influence_core.pipeline.score.layout import score_layout
+from influence_core.pipeline.store.loading import open_data
+from influence_core.pipeline.score.score_input import ScoringInput
 from influence_core.pipeline.specs import ComputeSpec
 from tests.helpers import read_outputs, small_params
 

@@ -10,10 +10,10 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskR
 
 from flows.influence_run import influence_run
 from influence_core import DirectInfluence
-from influence_core.pipeline.loading import load_model
-from influence_core.pipeline.publish import stored_refs
-from influence_core.pipeline.refs import ModelRef
-from influence_core.pipeline.verify import verify_run
+from influence_core.pipeline.store.loading import load_model
+from influence_core.pipeline.store.publish import stored_refs
+from influence_core.pipeline.store.refs import ModelRef
+from influence_core.pipeline.report.verify import verify_run
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from flows.influence_run import influence_run
-from influence_core.pipeline import query_factors, storage
-from influence_core.pipeline.knn_prefilter import knn_candidates
-from influence_core.pipeline.cluster import dask_client
-from influence_core.pipeline.publish import stored_refs
-from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.verify import verify_run
-from influence_core.pipeline.refs import DataRef, ModelRef
+from influence_core.pipeline.stages import query_factors
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.score.knn_prefilter import knn_candidates
+from influence_core.pipeline.runtime.cluster import dask_client
+from influence_core.pipeline.store.publish import stored_refs
+from influence_core.pipeline.store.run_store import RunStore
+from influence_core.pipeline.report.verify import verify_run
+from influence_core.pipeline.store.refs import DataRef, ModelRef
 from influence_core.pipeline.specs import ComputeSpec
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 

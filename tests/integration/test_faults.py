@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.influence_run import influence_run
-from influence_core.pipeline import storage
+from influence_core.pipeline.store import storage
 from influence_core.pipeline.specs import StorageSpec
 from tests.helpers import assert_same_outputs, read_outputs, small_params
 from tests.proxy import FlakyProxy

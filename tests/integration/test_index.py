@@ -11,9 +11,11 @@ import pytest
 from sklearn.datasets import load_digits
 
 from flows.influence_run import influence_run
-from influence_core.pipeline import index, scoring, storage
-from influence_core.pipeline.cluster import dask_client
-from influence_core.pipeline.score_input import ScoringInput
+from influence_core.pipeline.stages import index
+from influence_core.pipeline.score import scoring
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.runtime.cluster import dask_client
+from influence_core.pipeline.score.score_input import ScoringInput
 from tests.helpers import read_outputs, small_params
 from tests.integration.test_engine import upstream
 
@@ -84,7 +86,7 @@ def test_new_queries_reuse_the_training_side(tmp_path, prefect_api, monkeypatch)
     index_training and validation's retrainings are reused, B evaluates gradients of its 15 queries only, and its
     outputs are bit-identical to a fresh run of B's parameters, whose index products ran on the local cluster where
     B's (a small index) ran in the flow's process."""
-    from influence_core.pipeline import scoring
+    from influence_core.pipeline.score import scoring
 
     cache = str(tmp_path / "cache")
     first, _ = _run(tmp_path, "a", slice(0, 10), cache)
@@ -122,7 +124,7 @@ def test_query_answers_new_queries_from_the_index_alone(tmp_path, prefect_api):
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from influence_core.pipeline.query import answer, query_arrays
+    from influence_core.pipeline.score.query import answer, query_arrays
 
     run_a = _npz_params(tmp_path, "a", slice(0, 10))
     influence_run(**run_a.sections())

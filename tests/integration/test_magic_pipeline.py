@@ -14,10 +14,11 @@ from flows.parameters import RunParameters
 from influence_core.errors import ConfigError
 from influence_core.magic import metagradients
 from influence_core.magic.replay import Replay
-from influence_core.pipeline import metagradients as magic_stage, prepare, storage, training
-from influence_core.pipeline.cluster import dask_client
-from influence_core.pipeline.validation import subset_mask
-from influence_core.pipeline.verify import verify_run
+from influence_core.pipeline.stages import metagradients as magic_stage, prepare, training
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.runtime.cluster import dask_client
+from influence_core.pipeline.stages.validation import subset_mask
+from influence_core.pipeline.report.verify import verify_run
 from tests.helpers import read_outputs, small_params
 
 OVERRIDES = {

@@ -10,11 +10,12 @@ import torch
 from safetensors.torch import save_file
 
 from influence_core import ConfigError, DirectInfluence
-from influence_core.pipeline.cluster import dask_client
-from influence_core.pipeline import preconditioner, prepare, query_factors, scoring, training
-from influence_core.pipeline.score_input import ScoringInput
+from influence_core.pipeline.runtime.cluster import dask_client
+from influence_core.pipeline.stages import preconditioner, prepare, query_factors, training
+from influence_core.pipeline.score import scoring
+from influence_core.pipeline.score.score_input import ScoringInput
 from influence_core.task import Classification
-from influence_core.pipeline.loading import load_model, open_data
+from influence_core.pipeline.store.loading import load_model, open_data
 from tests.helpers import read_outputs, small_params
 from tests.plugin_models import dropout_batchnorm_mlp
 
@@ -120,7 +121,7 @@ def test_builtin_cnn_on_images_equals_the_library(tmp_path):
 
 def test_damaged_safetensors_checkpoint_names_the_field(tmp_path):
     """Bytes that are not a .safetensors file are refused naming model.checkpoint, never unpickled."""
-    from influence_core.pipeline.models import load_state
+    from influence_core.pipeline.model.models import load_state
 
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"\x00" * 16)

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.influence_run import influence_run
 from influence_core import ConfigError
-from influence_core.pipeline import storage
-from influence_core.pipeline.runlock import exclusive_run
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.runlock import exclusive_run
 from tests.helpers import assert_same_outputs, read_outputs, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

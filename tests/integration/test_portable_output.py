@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.influence_run import influence_run
-from influence_core.pipeline.layout import DIMENSIONS
+from influence_core.pipeline.score.layout import DIMENSIONS
 from tests.helpers import assert_same_outputs, read_outputs, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

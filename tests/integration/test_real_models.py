@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.influence_run import influence_run
 from influence_core import CgInfluence, EkfacInfluence
-from influence_core.pipeline.publish import read_run
+from influence_core.pipeline.store.publish import read_run
 from influence_core.task import LanguageModelling
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 

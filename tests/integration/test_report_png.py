@@ -9,11 +9,11 @@ import pytest
 from PIL import Image
 
 from flows.influence_run import influence_run
-from influence_core.pipeline import storage
-from influence_core.pipeline.publish import read_run, report_heading
-from influence_core.pipeline.report import example_view, report_figure
-from influence_core.pipeline.loading import open_data
-from influence_core.pipeline.publish import stored_refs
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.publish import read_run, report_heading
+from influence_core.pipeline.report.report import example_view, report_figure
+from influence_core.pipeline.store.loading import open_data
+from influence_core.pipeline.store.publish import stored_refs
 from tests.helpers import read_outputs, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from influence_core.pipeline import storage
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.run_store import RunStore
 from tests.helpers import small_params
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFi
 from prefect.logging.handlers import APILogWorker
 
 from flows.influence_run import influence_run
-from influence_core.pipeline import storage
+from influence_core.pipeline.store import storage
 from tests.helpers import small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

@@ -9,9 +9,10 @@ from collections import Counter
 import pytest
 
 from flows.influence_run import influence_run
-from influence_core.pipeline import prepare, stage as stage_module
+from influence_core.pipeline.stages import prepare
+from influence_core.pipeline.store import stage as stage_module
 from influence_core.pipeline.specs import DigitsDataset
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.store.run_store import RunStore
 from tasks.policy import CrashSafeLockManager, waited
 from tasks.stages import prepare_data
 from tests.helpers import small_params

@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.store.run_store import RunStore
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

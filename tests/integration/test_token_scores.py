@@ -11,8 +11,8 @@ import torch
 from flows.influence_run import influence_run
 from influence_core import EkfacInfluence
 from influence_core.errors import ConfigError
-from influence_core.pipeline.publish import read_run
-from influence_core.pipeline.verify import verify_run
+from influence_core.pipeline.store.publish import read_run
+from influence_core.pipeline.report.verify import verify_run
 from influence_core.task import LanguageModelling
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 

@@ -13,8 +13,8 @@ import torch
 
 from flows.influence_run import influence_run
 from influence_core import CgInfluence, ConfigError, EkfacInfluence
-from influence_core.pipeline.publish import read_run
-from influence_core.pipeline.transformer import TokenTransformer
+from influence_core.pipeline.store.publish import read_run
+from influence_core.pipeline.model.transformer import TokenTransformer
 from influence_core.task import LanguageModelling
 from tests.helpers import read_outputs, small_params, stored_model_and_data
 

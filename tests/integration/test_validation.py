@@ -16,11 +16,11 @@ from pydantic import ValidationError
 from scipy.stats import spearmanr
 
 from flows.influence_run import influence_run
-from influence_core.pipeline import storage
-from influence_core.pipeline.models import build_model, train
-from influence_core.pipeline.loading import open_data
-from influence_core.pipeline.validation import subset_mask
-from influence_core.pipeline.refs import DataRef
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.model.models import build_model, train
+from influence_core.pipeline.store.loading import open_data
+from influence_core.pipeline.stages.validation import subset_mask
+from influence_core.pipeline.store.refs import DataRef
 from tests.helpers import read_outputs, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.influence_run import influence_run
-from influence_core.pipeline import storage
-from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.verify import verify_run
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.run_store import RunStore
+from influence_core.pipeline.report.verify import verify_run
 from tests.helpers import small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

@@ -9,9 +9,10 @@ from torch import nn
 
 from flows.parameters import RunParameters
 from influence_core import ConfigError, DirectInfluence
-from influence_core.pipeline import prepare, storage, training
-from influence_core.pipeline.aggregation import check_top_k
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.stages import prepare, training
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.stages.aggregation import check_top_k
+from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.specs import AggregateSpec, DigitsDataset, HfDiskDataset, ModelSpec, TrainingSpec
 
 
@@ -82,7 +83,7 @@ def test_non_differentiable_model_output():
 
 
 def test_weights_only_checkpoint_loading_refuses_pickled_objects(tmp_path):
-    from influence_core.pipeline.models import load_state
+    from influence_core.pipeline.model.models import load_state
 
     path = tmp_path / "evil.pt"
     torch.save({"model": nn.Linear(2, 2)}, path)  # a whole module: needs full unpickling, refused

@@ -11,8 +11,8 @@ from torch import nn
 
 from flows.parameters import RunParameters
 from influence_core import ConfigError, DirectInfluence
-from influence_core.pipeline.knn_prefilter import build_index, candidate_influences, knn_candidates, module_features, nearest
-from influence_core.pipeline.candidate_scoring import check_knn_k
+from influence_core.pipeline.score.knn_prefilter import build_index, candidate_influences, knn_candidates, module_features, nearest
+from influence_core.pipeline.score.candidate_scoring import check_knn_k
 from influence_core.pipeline.specs import CandidatesSpec
 
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from influence_core.pipeline import prepare, storage
-from influence_core.pipeline.loading import open_data
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.stages import prepare
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.loading import open_data
+from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.specs import NpyDataset, NpzDataset, StorageSpec, TorchFactoryDataset, ZarrDataset
 from tests.datasets import blobs
 
@@ -134,7 +135,7 @@ def test_prepare_streams_without_loading_the_source(tmp_path):
 def test_prepare_data_key_hashes_the_flat_spec(tmp_path):
     """The digits' prepare_data key is that of the flat dataset spec's dump (as at commit 98cf5ce), so a digits run
     keeps its stage key although its config no longer carries the synthetic settings."""
-    from influence_core.pipeline.stage import stage_key
+    from influence_core.pipeline.store.stage import stage_key
     from influence_core.pipeline.specs import DigitsDataset
 
     flat = {"source": "digits", "path": None, "n_train": 50, "n_test": None, "test_fraction": 0.2, "n_features": 20, "n_classes": 2, "noise": 0.1, "seed": 0, "chunk_rows": 4096}

@@ -10,14 +10,14 @@ from pydantic import ValidationError
 
 from flows.parameters import RunParameters
 from influence_core import ConfigError
-from influence_core.pipeline import stage as stage_module
-from influence_core.pipeline.preconditioner import PreconditionerInput
-from influence_core.pipeline.query_factors import QueryFactorsInput
-from influence_core.pipeline.refs import DataRef, ModelRef, Ref, ScoresRef, StageRef
-from influence_core.pipeline.run_store import RunStore
-from influence_core.pipeline.score_input import Member, ScoringInput
-from influence_core.pipeline.training import TrainingInput
-from influence_core.pipeline.validation import ValidationInput
+from influence_core.pipeline.store import stage as stage_module
+from influence_core.pipeline.stages.preconditioner import PreconditionerInput
+from influence_core.pipeline.stages.query_factors import QueryFactorsInput
+from influence_core.pipeline.store.refs import DataRef, ModelRef, Ref, ScoresRef, StageRef
+from influence_core.pipeline.store.run_store import RunStore
+from influence_core.pipeline.score.score_input import Member, ScoringInput
+from influence_core.pipeline.stages.training import TrainingInput
+from influence_core.pipeline.stages.validation import ValidationInput
 from tests.helpers import small_params
 
 # Taken before training.ensemble existed (commit 6196765), with the code version pinned: a single model's stages

@@ -10,9 +10,9 @@ import zarr
 from pydantic import ValidationError
 
 from influence_core import ConfigError
-from influence_core.pipeline import prepare
-from influence_core.pipeline.loading import open_data
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.stages import prepare
+from influence_core.pipeline.store.loading import open_data
+from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.specs import HfDiskDataset, NpyDataset, NpzDataset, ParquetDataset, TorchFactoryDataset, ZarrDataset
 from influence_core.task import IGNORE_INDEX
 
@@ -172,7 +172,7 @@ def test_a_parquet_file_is_read_row_group_by_row_group(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    from influence_core.pipeline.tables import ParquetColumn
+    from influence_core.pipeline.sources.tables import ParquetColumn
 
     pq.write_table(pa.table(columns(TRAIN)), tmp_path / "all.parquet", row_group_size=3)
     column = ParquetColumn(tmp_path / "all.parquet", "pixel_values")
@@ -272,7 +272,7 @@ def test_field_names_are_validated():
 
 
 def test_built_in_architectures_refuse_named_fields(tmp_path):
-    from influence_core.pipeline.models import build_model
+    from influence_core.pipeline.model.models import build_model
     from influence_core.pipeline.specs import ModelSpec
 
     np.savez(tmp_path / "d.npz", **split_files())

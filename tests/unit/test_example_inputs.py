@@ -10,7 +10,7 @@ from torch import nn
 
 from influence_core import ArnoldiInfluence, CgInfluence, DirectInfluence, EkfacInfluence, LissaInfluence
 from influence_core.batches import ArrayBatches
-from influence_core.pipeline.report import example_view, prompted_text
+from influence_core.pipeline.report.report import example_view, prompted_text
 
 
 class FieldsClassifier(nn.Module):

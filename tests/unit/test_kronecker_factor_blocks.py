@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from influence_core.pipeline.preconditioner import FACTOR_POSITIONS, FACTOR_ROWS, factor_blocks
+from influence_core.pipeline.stages.preconditioner import FACTOR_POSITIONS, FACTOR_ROWS, factor_blocks
 
 
 @pytest.mark.parametrize("n", [1, 7, FACTOR_ROWS, FACTOR_ROWS + 1, 5_000, 2 * FACTOR_ROWS + 1, 1_000_000])
@@ -33,8 +33,8 @@ def test_block_sums_added_on_the_cluster_equal_those_added_here(tmp_path, dask_a
     library's single pass over all rows (another order of additions)."""
     from distributed import Client
 
-    from influence_core.pipeline import prepare, preconditioner, training
-    from influence_core.pipeline.loading import load_model, train_batches
+    from influence_core.pipeline.stages import prepare, preconditioner, training
+    from influence_core.pipeline.store.loading import load_model, train_batches
     from tests.helpers import small_params
 
     monkeypatch.setattr(preconditioner, "FACTOR_ROWS", 64)

@@ -113,7 +113,7 @@ def test_no_import_cycle():
     graph = import_graph()
     # the walk sees the edges it must: a relative import, a `from package import module`, an absolute one
     assert "influence_core.methods.scorer" in graph["influence_core.methods.influence_model"]
-    assert "influence_core.pipeline.storage" in graph["influence_core.pipeline.stage"]
+    assert "influence_core.pipeline.store.storage" in graph["influence_core.pipeline.store.stage"]
     assert "influence_core.pipeline.specs" in graph["tasks.stages"]
     try:
         order = list(TopologicalSorter(graph).static_order())

@@ -14,7 +14,7 @@ from torch import nn
 
 from influence_core import ArnoldiInfluence, DataInfInfluence, DirectInfluence, EkfacInfluence, IdentityInfluence, KfacInfluence, NystroemSketchInfluence
 from influence_core.errors import ConfigError
-from influence_core.pipeline.transformer import TokenTransformer
+from influence_core.pipeline.model.transformer import TokenTransformer
 from influence_core.projection import Projection
 from influence_core.task import LanguageModelling
 from influence_core.task.builtin import IGNORE_INDEX

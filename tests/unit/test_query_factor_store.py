@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from influence_core.pipeline.query_factors import FACTOR_CHUNK_BYTES, chunk_rows
+from influence_core.pipeline.stages.query_factors import FACTOR_CHUNK_BYTES, chunk_rows
 
 
 @pytest.mark.parametrize(("block", "width", "expected"), [(28, 1_163_274, 2), (500, 94_218, 25), (8, 10, 8), (97, 1_000_000, 1), (5, 10**8, 1)])
@@ -20,8 +20,8 @@ def test_chunk_rows_divide_the_block_and_fit_the_budget(block, width, expected):
 def test_rows_written_chunk_by_chunk_read_back_exactly_and_every_chunk_is_stored(tmp_path):
     """Blocks of 6 rows into chunks of 3 (the last block shorter and ending mid-chunk); a block of zeros is still
     stored, as the stage's inventory lists every chunk."""
-    from influence_core.pipeline import storage
-    from influence_core.pipeline.query_factors import write_rows
+    from influence_core.pipeline.store import storage
+    from influence_core.pipeline.stages.query_factors import write_rows
 
     values = np.random.default_rng(0).standard_normal((14, 5)).astype(np.float32)
     values[6:12] = 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from influence_core.pipeline.report import TEXT_CHARS, decode_bytes, example_view, image_of, prompted_text, row_text, topk_rows
+from influence_core.pipeline.report.report import TEXT_CHARS, decode_bytes, example_view, image_of, prompted_text, row_text, topk_rows
 
 
 def test_token_ids_read_as_bytes_with_line_breaks_marked_and_long_texts_cut():

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from influence_core.pipeline import storage
-from influence_core.pipeline.runlock import LOCK_NAME, exclusive_run
-from influence_core.pipeline.run_store import RunStore
+from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.runlock import LOCK_NAME, exclusive_run
+from influence_core.pipeline.store.run_store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ def test_a_second_run_waits_for_the_first(store):
 
 def test_a_killed_holder_does_not_keep_the_lock(store):
     script = (
-        "import sys, time; from influence_core.pipeline.runlock import exclusive_run; from influence_core.pipeline.run_store import RunStore; "
+        "import sys, time; from influence_core.pipeline.store.runlock import exclusive_run; from influence_core.pipeline.store.run_store import RunStore; "
         "store = RunStore.model_validate_json(sys.argv[1])\n"
         "with exclusive_run(store, on_wait=print):\n    print('held', flush=True); time.sleep(600)"
     )

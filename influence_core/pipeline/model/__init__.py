@@ -1,0 +1,1 @@
+"""Model construction and the built-in architectures: building, training and storing models, the transformer, losses."""

@@ -1,0 +1,208 @@
+"""Model construction, training, and state-dict storage (always read back with weights_only=True)."""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..store import storage
+from ... import examples
+from ...batches import ArrayBatches
+from ...training import SHUFFLE_BLOCK_ROWS, train as fit
+from ...errors import ConfigError
+from ...objective import Objective
+from ...task import Task
+from ..sources.dotted import user_error
+from ..store.refs import DataRef
+from ..specs import ModelSpec, TrainingSpec
+
+
+def output_width(spec: ModelSpec, data: DataRef) -> int:
+    """Explicit width, else one output per class, else one regression target."""
+    if spec.output_dim is not None:
+        return spec.output_dim
+    if spec.task_name == "language_modelling":
+        return spec.vocab_size
+    return data.n_classes if (spec.task_name == "classification" and data.n_classes) else 1
+
+
+def build_model(spec: ModelSpec, data: DataRef, device: str = "cpu") -> nn.Module:
+    """The untrained module for this data, in the spec's dtype, on `device`; a built-in architecture takes one
+    input array, so named fields need a model factory."""
+    if spec.factory is None and any("/" in name for name in data.arrays):
+        raise ConfigError("dataset.inputs", f"the built-in {spec.architecture} takes one input array, not the named fields of dataset.inputs", "set model.factory to a model taking the fields as keyword arguments, or store one input array x")
+    torch_dtype = getattr(torch, spec.dtype)
+    return spec.build(math.prod(data.feature_shape), output_width(spec, data), tuple(data.feature_shape)).to(device=device, dtype=torch_dtype)
+
+
+def check_tokens(spec: ModelSpec, *splits: Any) -> None:
+    """The built-in transformer reads features as token ids: whole numbers in [0, vocab_size), checked block by block
+    over every split (an id out of range would fail deep inside a scoring task)."""
+    for x in splits:
+        n = x.shape[0]
+        step = x.chunks[0] if hasattr(x, "chunks") else n
+        for lo in range(0, n, step):
+            block = np.asarray(x[lo : lo + step]).reshape(min(step, n - lo), -1)
+            bad = (block != np.round(block)) | (block < 0) | (block >= spec.vocab_size)
+            if bad.any():
+                row, column = np.argwhere(bad)[0]
+                raise ConfigError(
+                    "model.vocab_size", f"row {lo + row} holds {block[row, column]:g} at position {column}, not a token id in [0, {spec.vocab_size})",
+                    "store whole-number token ids below model.vocab_size, or raise model.vocab_size",
+                )
+
+
+def check_model_fits(model: nn.Module, spec: ModelSpec, arrays: dict[str, Any]) -> None:
+    """Raise a ConfigError naming the model's field when its inputs or outputs cannot be scored against the labels by
+    the task (model.options for a factory's model)."""
+    if spec.factory is None and spec.architecture == "transformer":
+        check_tokens(spec, arrays["x_train"])  # the queries' ids are checked by every run (check_queries): this stage is reused across query sets
+    x, y = arrays["x_train"], arrays["y_train"]
+    objective = Objective(model, spec.make_task())
+    probe_forward(objective, spec, examples.read(x, slice(0, 64)), examples.read(y, slice(0, 64)))
+    try:
+        outputs = objective.check_outputs(examples.read(x, slice(0, 64)), examples.read(y))
+    except ConfigError as exc:
+        raise _setting_to_change(exc, spec) from None
+    if spec.task == "auto" and spec.task_class is None:
+        check_auto_unambiguous(outputs, examples.read(y, slice(0, len(outputs))))
+
+
+def check_auto_unambiguous(outputs: torch.Tensor, labels: torch.Tensor) -> None:
+    """`model.task: auto` reads (batch, positions, vocabulary) outputs for integer (batch, positions) labels as a
+    classification of each position, though they are as likely a language model's next-token logits: refused."""
+    if outputs.ndim == 3 and labels.ndim == 2 and not labels.is_floating_point():
+        raise ConfigError(
+            "model.task", f"auto cannot tell whether outputs of shape {tuple(outputs.shape)} for integer labels of shape {tuple(labels.shape)} "
+            "classify each position or predict the next token",
+            "set model.task: language_modelling (the labels are the token ids, each predicted from the tokens before it), or model.task: classification (one class per position)",
+        )
+
+
+def _setting_to_change(exc: ConfigError, spec: ModelSpec) -> ConfigError:
+    """A refusal of the probe batch, named by the setting that fixes it: model.task_class for the task's own values,
+    model.options for a factory's model, else as the library raised it."""
+    if exc.field == "task" and spec.task_class is not None:
+        return ConfigError("model.task_class", f"{spec.task_class}: {exc.problem}", exc.fix)
+    if spec.factory is None:
+        return exc
+    return ConfigError("model.options", f"the model of {spec.factory} does not fit the {spec.task_name} task: {exc.problem}", exc.fix)
+
+
+def check_queries(spec: ModelSpec, arrays: dict[str, Any]) -> None:
+    """The queries fit the model: checked by every run, since the model is trained (and cached) on the training rows alone."""
+    if spec.factory is None and spec.architecture == "transformer":
+        check_tokens(spec, arrays["x_test"])
+
+
+def probe_forward(objective: Objective, spec: ModelSpec, x: Any, y: torch.Tensor) -> None:
+    """One forward pass on the first rows, before training: the model's own code failing (field names its forward does
+    not take, token ids beyond its embeddings) or returning no tensor is told as one line naming the setting."""
+    name = spec.factory or f"the built-in {spec.architecture}"
+    xs, _ = objective.to_model(x, y)
+    try:
+        with torch.no_grad():
+            out = objective.task.output(examples.call(objective.model, xs))
+    except TypeError as exc:
+        if not isinstance(xs, dict) or "unexpected keyword argument" not in str(exc):
+            raise user_error("model", f"{name}'s forward", exc, "correct the model's forward pass, or give it inputs it takes") from None
+        raise user_error("dataset.inputs", f"{name}'s forward", exc, f"name dataset.inputs ({', '.join(sorted(xs))}) after the arguments of the model's forward, or wrap the model to take them") from None
+    except IndexError as exc:
+        sizes = [m.num_embeddings for m in objective.model.modules() if isinstance(m, nn.Embedding)]
+        raise user_error("model", f"{name}'s forward", exc, f"give token ids below the sizes of its embeddings {sizes} (vocabulary, positions): tokenize with the model's own tokenizer and cut sequences to its context") from None
+    except Exception as exc:  # the user's model code failed: one line, and never retried
+        raise user_error("model", f"{name}'s forward", exc, "correct the model's forward pass, or give it inputs it takes") from None
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError("model", f"the forward pass of {name} returns a {type(out).__name__}, not a tensor", "return the outputs (e.g. the logits) as one tensor, or a Hugging Face output with .logits; wrap the model to pick them")
+
+
+def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any, weights: torch.Tensor | None = None) -> None:
+    """Fit with the recipe of `training` (influence_core.training: Adam, L2 weight decay, the seeded batch schedule;
+    `weights`: per-row loss weights), leaving the model in eval mode (`evaluate` measures it)."""
+    fit(model, spec.make_task(), training.recipe(), x, y, weights)
+
+
+def evaluate(model: nn.Module, task: Task, x: Any, y: Any, split: str) -> dict[str, float]:
+    """`{split}_loss`, the mean loss over the rows of x, y, and `{split}_accuracy` where the task has an accuracy,
+    in eval mode and block by block."""
+    model.eval()
+    objective = Objective(model, task)
+    blocks = ArrayBatches(x, y, SHUFFLE_BLOCK_ROWS)
+    total, right, made = 0.0, 0, 0
+    with torch.no_grad():
+        for xb, yb in blocks:
+            xb, yb = objective.to_model(xb, yb)
+            outputs = task.output(examples.call(model, xb))
+            total += float(task.mean_loss(outputs, yb)) * len(yb)
+            hits = task.correct(outputs, yb)
+            right, made = (right + hits[0], made + hits[1]) if hits is not None else (right, made)
+    accuracy = {f"{split}_accuracy": right / made} if made else {}
+    return {f"{split}_loss": total / len(blocks), **accuracy}
+
+
+def state_bytes(model: nn.Module) -> bytes:
+    """The state_dict as stored: on the CPU, whatever device trained it, so it loads anywhere."""
+    state = model.state_dict()
+    for name, value in state.items():
+        state[name] = value.cpu()  # in place: the OrderedDict keeps its version metadata
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def checkpoint_stamp(url: str, options: dict[str, Any], field: str = "model.checkpoint") -> str:
+    """The checkpoint's size and stamp (part of fit_model's key: a replaced checkpoint is loaded again), read
+    without its content; a missing file or object is refused naming the field."""
+    try:
+        return storage.stat_token(url, options)
+    except FileNotFoundError:
+        raise _missing_checkpoint(url, field) from None
+
+
+def _missing_checkpoint(url: str, field: str) -> ConfigError:
+    return ConfigError(field, f"no checkpoint at {url!r}", "give the path or s3:// URL of a saved state_dict")
+
+
+def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint", device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Read a state_dict from a local path or URL with weights_only=True (no arbitrary code from pickles), onto `device`."""
+    try:
+        raw = storage.read_bytes(url, options)
+    except FileNotFoundError:
+        raise _missing_checkpoint(url, field) from None
+    if url.endswith(".safetensors"):
+        return {name: value.to(device) for name, value in _safetensors(raw, url, field).items()}
+    try:
+        state = torch.load(io.BytesIO(raw), map_location=device, weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ... for foreign files
+        raise ConfigError(
+            field, f"{url!r} is not a weights-only state_dict: torch.load(weights_only=True) refused to unpickle it ({type(exc).__name__})", "save it with torch.save(model.state_dict(), path)"
+        ) from None
+    if not isinstance(state, dict):
+        raise ConfigError(field, f"{url!r} holds a {type(state).__name__}, not a state_dict", "save model.state_dict(), not the model")
+    return state
+
+
+def _safetensors(raw: bytes, url: str, field: str) -> dict[str, torch.Tensor]:
+    """A .safetensors state_dict (tensors only, by construction: nothing to unpickle)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(raw)
+    except SafetensorError as exc:
+        raise ConfigError(field, f"{url!r} is not a valid .safetensors file ({exc})", "save it with safetensors.torch.save_file(model.state_dict(), path)") from None
+
+
+def load_into(model: nn.Module, state: dict[str, torch.Tensor], field: str = "model.checkpoint") -> nn.Module:
+    """Load a state_dict, turning key or shape mismatches into an error that names the field."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # the missing keys included
+        raise ConfigError(field, f"the checkpoint does not fit the model ({detail})", "match model.architecture/hidden/output_dim (or model.factory/options) to the checkpoint") from None
+    return model.eval()

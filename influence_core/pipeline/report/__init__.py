@@ -1,0 +1,1 @@
+"""What people look at (the top-k table and report) and the run's integrity check."""

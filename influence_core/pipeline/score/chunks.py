@@ -1,0 +1,175 @@
+"""Train-chunk tasks, shared by full and candidate scoring (stage 5) and the training index (stage 3b): one job type,
+one worker cache, one marker scheme and one executor.
+
+A task scores one train chunk against every query, writes its part, then leaves the marker
+`{stage_url}/done/{index}`. A chunk is done only when its marker and its written part are both in the store (a
+marker alone never counts), so a rerun submits only the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from distributed import Client, as_completed
+
+from ..store import storage
+from ...batches import Batches
+from ...examples import Inputs
+from ...methods.scorer import Scorer
+from ...self_influence import SelfInfluencePlan
+from ...work import Work
+from ..store.loading import load_influence_model, open_data, read_factors, train_batches
+from .score_input import Member, ScoringInput
+from ..runtime.threads import TASK_THREADS, torch_threads
+
+Progress = Callable[[int, int], None]
+KEPT_WORKERS = 2  # jobs whose loaded state a worker process keeps (least recently used goes first)
+
+
+class ChunkWorker:
+    """What a worker process keeps between chunk tasks of one job: each ensemble member's scorer (its fitted influence
+    model, query factors and self-influence plan), the training arrays, and what the job holds besides."""
+
+    def __init__(self, job: ChunkJob) -> None:
+        stage = job.stage
+        arrays = open_data(stage.data, job.options)
+        self.x, self.y = arrays["x_train"], arrays["y_train"]
+        train = train_batches(stage.data, job.options, stage.method.batch_size)  # read once, shared by the members
+        plans = [job.self_influence_plan(index) for index in range(len(stage.members))]
+        self.scorers = [self._scorer(job, member, plan, train) for member, plan in zip(stage.members, plans)]
+        self.held = job.hold(plans[0])
+
+    def _scorer(self, job: ChunkJob, member: Member, plan: SelfInfluencePlan | None, train: Batches) -> Scorer:
+        """One member's scorer: its influence model with its curvature, its query factors and its self-influence plan."""
+        stage = job.stage
+        im = load_influence_model(stage.method, member.model, stage.data, member.preconditioner, job.options, stage.compute.torch_device, train)
+        return Scorer(im, read_factors(im, member.factors.url, job.options, self.x, self.y), plan)
+
+    def __call__(self, x: Inputs, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Scores and self-influences of the rows (x, y): the members' mean, summed member by member so that a chunk's
+        scores are held twice at most (a single model's are its own, unchanged)."""
+        scores, values = self.scorers[0](x, y)
+        for scorer in self.scorers[1:]:
+            more, extra = scorer(x, y)
+            scores, values = _added(scores, more), _added(values, extra)
+        n = len(self.scorers)
+        return _divided(scores, n), _divided(values, n)
+
+    def work(self) -> Work:
+        """The work every member's influence model has counted so far."""
+        total = Work()
+        for scorer in self.scorers:
+            total += scorer.im.work
+        return total
+
+
+def _added(total: torch.Tensor | None, more: torch.Tensor | None) -> torch.Tensor | None:
+    """A member's output added to the others' sum (None: an output that is not computed)."""
+    return None if total is None or more is None else total + more
+
+
+def _divided(total: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The members' sum as their mean; a single model's output as it is."""
+    return total if total is None or n == 1 else total / n
+
+
+@dataclass(frozen=True)
+class ChunkJob(ABC):
+    """Everything a chunk task needs, by reference only (the stage's input, planned): a few kilobytes, never data."""
+
+    stage: ScoringInput
+
+    def open(self) -> Any:
+        """What a worker process loads once for this job's tasks (`work()` counts what it did): scorers by default."""
+        return ChunkWorker(self)
+
+    @property
+    def key(self) -> str:
+        return self.stage.call.key
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.stage.store.options
+
+    @property
+    def influence_url(self) -> str:
+        return self.stage.store.influence_url
+
+    def path(self, *parts: str) -> str:
+        """A file of the stage's own directory (markers, parts, plans)."""
+        return storage.join(self.stage.call.location.url, *parts)
+
+    def marked(self) -> set[int]:
+        """Chunks whose completion marker is in the store."""
+        return {int(name) for name in storage.list_names(self.path("done"), self.options) if name.isdigit()}
+
+    def pending(self, needed: list[int]) -> list[int]:
+        """The chunks of `needed` without both a marker and their written part."""
+        done = self.marked() & self.written()
+        return [i for i in needed if i not in done]
+
+    def self_influence_plan(self, member: int) -> SelfInfluencePlan | None:
+        """The self-influence plan member `member`'s scorer applies (None: no self-influence)."""
+        return None
+
+    def hold(self, plan: SelfInfluencePlan | None) -> Any:
+        """What a ChunkWorker keeps for this job's tasks besides the scorers (open output arrays, candidates)."""
+        return None
+
+    @abstractmethod
+    def written(self) -> set[int]:
+        """Chunks whose part is wholly in the store."""
+
+    @abstractmethod
+    def score(self, worker: Any, index: int) -> None:
+        """Score (or index) train chunk `index` with what `open()` loaded, and write its part."""
+
+
+_WORKERS: OrderedDict[str, Any] = OrderedDict()
+_WORKERS_LOCK = threading.Lock()
+
+
+def _worker(job: ChunkJob) -> Any:
+    """Load once per worker process and job; later tasks of the same job reuse it. Keyed by the job and where it
+    writes: two outputs of the same parameters share a key but never a worker's open arrays."""
+    where = f"{job.key}:{job.influence_url}"
+    with _WORKERS_LOCK:
+        if where not in _WORKERS:
+            _WORKERS[where] = job.open()
+            while len(_WORKERS) > KEPT_WORKERS:
+                _WORKERS.popitem(last=False)
+        _WORKERS.move_to_end(where)
+        return _WORKERS[where]
+
+
+def chunk_task(job: ChunkJob, index: int) -> dict[str, float]:
+    """One task: score train chunk `index` against every query, write its part, then its marker. Returns the work
+    this did (gradients captured, flops, and any solves of an exact self-influence)."""
+    with torch_threads(TASK_THREADS):  # the same arithmetic on every cluster kind, sequential included
+        worker = _worker(job)
+        before = worker.work()
+        job.score(worker, index)
+        storage.write_bytes(job.path("done", str(index)), b"", job.options)
+        return (worker.work() - before).as_dict()
+
+
+def execute(job: ChunkJob, chunks: list[int], total: int, client: Client | None, on_progress: Progress | None = None) -> Work:
+    """Run the chunk tasks, on the cluster or here; report (done, total) as they finish; return the work done."""
+    done, work = total - len(chunks), Work()
+    if client is None:
+        results: Iterator[dict[str, float]] = (chunk_task(job, index) for index in chunks)
+    else:
+        futures = client.map(chunk_task, [job] * len(chunks), chunks, pure=False, retries=2)
+        results = (future.result() for future in as_completed(futures))
+    for counted in results:
+        work += Work(**counted)
+        done += 1
+        if on_progress:
+            on_progress(done, total)
+    return work

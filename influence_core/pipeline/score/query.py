@@ -1,0 +1,182 @@
+"""An on-demand question against a finished run's training index: new queries scored with no training gradient.
+
+Everything but the queries comes from the run's store: its model, its curvature and its training index (the stage
+refs `influence.zarr` records). The queries' factors are solved here, then the index is streamed chunk by chunk, one
+GEMM each, keeping each query's running top-k helpful and harmful examples, so memory is bounded by one chunk and
+the answer holds (n_queries, k) arrays, never (n_queries, n_train).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import TypeAdapter
+
+from ..store import storage
+from ... import examples
+from ...errors import ConfigError
+from ...work import Work
+from ...objective import Objective
+from ..sources.data import check_block
+from .layout import DIMENSIONS
+from ..model.models import check_queries, probe_forward
+from ..store.loading import index_projection, load_influence_model, open_data
+from ..store.publish import read_attrs, stored_refs, task_decode
+from ..store.refs import DataRef, IndexRef, ModelRef
+from ..report.report import QueryRow, topk_rows
+from ..store.run_store import RunStore
+from ..specs import MethodSpec, ModelSpec
+
+TOPK = ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores")
+
+
+@dataclass
+class Answer:
+    """Each query's top-k helpful and harmful training examples (arrays by the output layout's names), and the work."""
+
+    arrays: dict[str, np.ndarray]
+    work: Work = field(default_factory=Work)
+    config: dict[str, Any] = field(default_factory=dict)  # the run's recorded parameters
+    data: DataRef | None = None  # the run's data (its training labels name the examples)
+
+    def rows(self, y_train: Any, x: Any, y: np.ndarray, decode: Any, n_show: int) -> list[QueryRow]:
+        return topk_rows(self.arrays, y_train, y, len(y), n_show, x, decode)
+
+
+def run_index(store: RunStore) -> tuple[dict[str, Any], ModelRef, Any, IndexRef, DataRef]:
+    """A finished run's config, model, curvature, training index and data refs; refused in one line when the run
+    has no usable index or is an ensemble."""
+    attrs = read_attrs(store)
+    refs = stored_refs(store, attrs)
+    index = refs.get("index_training")
+    if not isinstance(index, IndexRef) or not index.usable:
+        why = "has no training index" if not isinstance(index, IndexRef) else f"has no training index ({index.skipped})"
+        raise ConfigError("run", f"the run at {store.output_url} {why}", "rerun it with compute.index_budget_gb large enough (its summary.json says how large), then ask again")
+    if any(name.startswith("fit_model[") for name in refs):
+        raise ConfigError("run", f"the run at {store.output_url} is an ensemble (training.ensemble > 1); questions take a single model", "ask a run of one model, or run the pipeline with the new queries (storage.cache_url shared: the members' indexes are reused)")
+    model, data = refs["fit_model"], refs["prepare_data"]
+    assert isinstance(model, ModelRef) and isinstance(data, DataRef)
+    return attrs["config"], model, refs["fit_preconditioner"], index, data
+
+
+def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu") -> Answer:
+    """The top-k of queries (x, y) against the run at `store`: factors solved from its curvature, scores streamed over
+    its training index."""
+    config, model, curvature, index, data = run_index(store)
+    if top_k > data.n_train:
+        raise ConfigError("--top", f"{top_k} exceeds the run's {data.n_train} training examples", f"give --top {data.n_train} or less")
+    method = TypeAdapter(MethodSpec).validate_python(config["method"])
+    im = load_influence_model(method, model, data, curvature, store.options, device)
+    check_question(ModelSpec.model_validate(config["model"]), data, im.objective, x, y)
+    xq, yq = im.objective.to_model(x, torch.as_tensor(y))
+    factors = im.influence_factors(xq, yq)
+    if index.compression == "logra":
+        factors = index_projection(im, data, store.options, index.side or 0).factors(factors)
+    work = im.work.copy()
+    features = storage.open_array(index.array("features"), store.options)
+    best = _Running(len(yq), top_k)
+    step = features.chunks[0]
+    for lo in range(0, features.shape[0], step):
+        block = np.asarray(features[lo : lo + step])
+        work.index_rows += len(block)
+        work.index_bytes += block.nbytes
+        work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
+        best.add((factors @ torch.from_numpy(block).to(device=factors.device, dtype=factors.dtype).T).float(), lo)
+    return Answer(best.arrays(), work, config, data)
+
+
+def check_question(spec: ModelSpec, data: DataRef, objective: Objective, x: Any, y: np.ndarray) -> None:
+    """The queries fit the run's model, or one line naming --queries before any solve: one row of the model's input
+    shape and one label per query, finite values, token ids and labels the model takes."""
+    shape, rows = tuple(data.feature_shape), np.asarray(x)
+    if tuple(rows.shape[1:]) != shape or len(y) != len(rows):
+        raise ConfigError("--queries", f"x of shape {rows.shape} and {len(y)} labels; the run's model takes one row of shape {shape} and one label per query", f"save x as (n_queries, {', '.join(map(str, shape))}) and y with n_queries rows")
+    try:
+        check_block(rows, y, "test", 0)
+        check_queries(spec, {"x_test": rows})
+        probe_forward(objective, spec, x[:64], torch.as_tensor(y[:64]))
+        objective.check_outputs(torch.as_tensor(x), torch.as_tensor(y))
+    except ConfigError as exc:
+        raise ConfigError("--queries", f"the queries do not fit the run's model ({exc.field}): {exc.problem}", "ask with inputs and labels encoded as the run's training data is (its dataset and model settings are in its summary.json)") from None
+
+
+TIE_MARGIN = 8  # entries a chunk's selection takes past each query's k, to hold ties with the k-th
+
+
+class _Running:
+    """Each query's k largest and k smallest scores seen so far, with their training indices."""
+
+    def __init__(self, n: int, k: int) -> None:
+        self.k = k
+        empty = (torch.empty(n, 0), torch.empty(n, 0, dtype=torch.int64))
+        self.top, self.bottom = empty, empty
+
+    def add(self, scores: torch.Tensor, offset: int) -> None:
+        indices = torch.arange(offset, offset + scores.shape[1]).expand_as(scores)
+        self.top = self._keep(self.top, scores, indices, largest=True)
+        self.bottom = self._keep(self.bottom, scores, indices, largest=False)
+
+    def _keep(self, kept: tuple[torch.Tensor, torch.Tensor], scores: torch.Tensor, indices: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, indices = self._candidates(scores, indices, largest)
+        values, where = torch.cat([kept[0], scores], 1), torch.cat([kept[1], indices], 1)
+        order = torch.sort(values, dim=1, descending=largest, stable=True).indices[:, : self.k]  # ties: the lower index first
+        return values.gather(1, order), where.gather(1, order)
+
+    def _candidates(self, scores: torch.Tensor, indices: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's entries that can still enter its top k, in index order: the k best and every tie with the k-th,
+        from one partial selection of k + TIE_MARGIN (the whole chunk when a row ties beyond it), where sorting the
+        whole chunk cost 90% of a question over a large index."""
+        wide = self.k + TIE_MARGIN
+        if scores.shape[1] <= wide:
+            return scores, indices
+        values, at = torch.topk(scores, wide, dim=1, largest=largest)
+        if bool((values[:, -1] == values[:, self.k - 1]).any()):  # the k-th value may recur past the selection
+            return scores, indices
+        order = torch.argsort(at, dim=1)  # index order, so the stable sort's ties still go to the lower index
+        return values.gather(1, order), indices.gather(1, at.gather(1, order))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {
+            "topk_helpful_indices": self.top[1].numpy(), "topk_helpful_scores": self.top[0].numpy(),
+            "topk_harmful_indices": self.bottom[1].numpy(), "topk_harmful_scores": self.bottom[0].numpy(),
+        }
+
+
+def write_answer(url: str, answer: Answer, run_url: str, options: dict[str, Any]) -> None:
+    """The answer as a Zarr v3 group of the top-k arrays (the run's output layout), naming the run it asked."""
+    group = storage.open_group(url, options, mode="w")
+    for name in TOPK:
+        group.create_array(name, data=answer.arrays[name], dimension_names=DIMENSIONS[name])
+    group.create_array("argmax", data=answer.arrays["topk_helpful_indices"][:, 0], dimension_names=DIMENSIONS["argmax"])
+    group.attrs.update({"status": "complete", "run": run_url, "work": answer.work.as_dict()})
+
+
+def ask(store: RunStore, queries: str, top_k: int, output: RunStore | None = None) -> tuple[Answer, list[QueryRow], str]:
+    """The whole question: the queries of the .npz file `queries` answered from the run at `store`, written under
+    `output` when given. Returns the answer, its top-k rows (labels read as the run's task reads them) and the method."""
+    x, y = query_arrays(queries, store.options)
+    found = answer(store, x, y, top_k)
+    config, data = found.config, found.data
+    assert data is not None
+    if output is not None:
+        write_answer(output.influence_url, found, store.output_url, output.options)
+    rows = found.rows(open_data(data, store.options)["y_train"], x, y, task_decode(config["model"]), top_k)
+    return found, rows, config["method"]["name"]
+
+
+def query_arrays(path: str, options: dict[str, Any]) -> tuple[Any, np.ndarray]:
+    """Queries from an .npz file: x_test and y_test, or x and y (every row a query)."""
+    import io
+
+    try:
+        with np.load(io.BytesIO(storage.read_bytes(path, options)), allow_pickle=False) as npz:
+            names = ("x_test", "y_test") if "x_test" in npz else ("x", "y")
+            if not set(names) <= set(npz.files):
+                raise ConfigError("--queries", f"{path} holds {sorted(npz.files)}, not x_test and y_test (or x and y)", "save the queries' inputs and labels under those names")
+            x, y = npz[names[0]], npz[names[1]]
+    except FileNotFoundError:
+        raise ConfigError("--queries", f"no file at {path!r}", "give the path of an .npz file of the queries") from None
+    return examples.read(x), y

@@ -1,0 +1,94 @@
+"""Stage 2: a trained (or loaded) model, stored as a state_dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..store import storage
+from ... import examples
+from ...errors import ConfigError
+from ...objective import Objective
+from ..model.models import build_model, checkpoint_stamp, check_model_fits, evaluate, load_into, load_state, state_bytes, train
+from ..store.refs import DataRef, ModelRef
+from ..specs import CandidatesSpec, ModelSpec, TrainingSpec
+from ..store.loading import open_data
+from ..store.stage import StageCall, StageInput, StageLocation
+from ..store.run_store import RunStore
+
+
+def check_ensemble(training: TrainingSpec, model: ModelSpec, candidates: CandidatesSpec) -> None:
+    """An ensemble trains its members, so it needs the recipe (no checkpoint), and one model's features (no FastIF prefilter)."""
+    n = training.ensemble
+    if n > 1 and model.checkpoint:
+        raise ConfigError(
+            "training.ensemble", f"ensemble={n} trains {n} models with seeds training.seed + m, but model.checkpoint ({model.checkpoint}) loads a single trained model",
+            "set training.ensemble to 1 with a checkpoint, or leave model.checkpoint empty so that the pipeline trains the members",
+        )
+    if n > 1 and candidates.knn_k is not None:
+        raise ConfigError(
+            "training.ensemble", f"ensemble={n} is not supported with the FastIF prefilter (candidates.knn_k={candidates.knn_k}), whose candidates come from one model's features",
+            "set training.ensemble to 1, or candidates.knn_k to null to score every training example with the ensemble",
+        )
+
+
+@dataclass(frozen=True)
+class TrainingInput(StageInput[ModelRef]):
+    """The model and training specs, the data, and the torch threads and device the fit runs with (the device is not
+    part of the key: it changes where the model trains, not what the stage is)."""
+
+    spec: ModelSpec
+    training: TrainingSpec
+    data: DataRef
+    store: RunStore
+    threads: int
+    device: str = "cpu"
+
+    def plan(self) -> StageCall[ModelRef]:
+        config: dict[str, Any] = {"model": self.spec.model_dump(mode="json")}
+        if self.spec.checkpoint:
+            config["checkpoint_stat"] = checkpoint_stamp(self.spec.checkpoint, self.store.options)
+        else:
+            config["training"] = self.training.key_config()
+        return StageCall("fit_model", ModelRef, config, {"train": self.data.training}, self.store, self.threads)
+
+
+def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
+    spec, training, data, store = stage.spec, stage.training, stage.data, stage.store
+    arrays = open_data(data, store.options)
+    with torch.random.fork_rng():
+        torch.manual_seed(training.seed)  # initialisation and dropout masks are part of the seeded, reproducible fit
+        model = build_model(spec, data, stage.device)
+        if spec.checkpoint:  # a checkpoint for another model is named as such, before the outputs are checked
+            load_into(model, load_state(spec.checkpoint, store.options))
+        check_model_fits(model, spec, arrays)
+        if not spec.checkpoint:
+            train(model, spec, training, arrays["x_train"], arrays["y_train"])
+        task = spec.make_task()
+        metrics = {**evaluate(model, task, arrays["x_train"], arrays["y_train"], "train"), **evaluate(model, task, arrays["x_test"], arrays["y_test"], "query")}
+    raw = state_bytes(model)
+    url = loc.path("model.pt")
+    storage.write_bytes(url, raw, store.options)
+    first = next(model.parameters())
+    objective = Objective(model, spec.make_task())
+    with torch.no_grad():
+        out_features = int(objective.outputs(objective.params, objective.to_model(examples.read(arrays["x_train"], slice(0, 1)), torch.zeros(1))[0]).shape[-1])
+    return {
+        "url": url,
+        "fingerprint": loc.key,
+        "shape": (sum(p.numel() for p in model.parameters()),),
+        "dtype": str(first.dtype).removeprefix("torch."),
+        "spec": spec.model_dump(mode="json"),
+        "in_features": int(torch.Size(data.feature_shape).numel()),
+        "out_features": out_features,
+        "feature_shape": list(data.feature_shape),
+        "train_loss": None if spec.checkpoint else metrics["train_loss"],
+        "metrics": metrics,
+    }
+
+
+def run(stage: TrainingInput) -> ModelRef:
+    """Train (or load) the model with `stage.threads` torch threads, or return the stored one."""
+    return stage.call.run(lambda loc: _fit(stage, loc))

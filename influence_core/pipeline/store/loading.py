@@ -1,0 +1,97 @@
+"""Rebuild stage outputs from their refs: data arrays, the trained model, the fitted influence model."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from torch import nn
+
+from . import storage
+from ... import examples
+from ...batches import ArrayBatches, Batches, TensorBatches
+from ...contraction import Rows, stream_rows
+from ...index_projection import IndexProjection
+from ...methods import InfluenceFunctionModel, KfacInfluence
+from ..model.models import load_into, load_state
+from .refs import DataRef, ModelRef, StageRef
+from ..specs import MethodSpec, ModelSpec
+
+
+def open_data(data: DataRef, options: dict[str, Any]) -> dict[str, Any]:
+    """x_train, y_train, x_test, y_test of a prepared dataset, opened lazily (nothing is read yet); the inputs of
+    named fields (stored as x_train/input_ids, ...) come as a dict of arrays by field name."""
+    group = storage.open_group(data.url, options, mode="r")
+    arrays: dict[str, Any] = {}
+    for name in data.arrays:
+        split, _, field = name.partition("/")
+        if field:
+            arrays.setdefault(split, {})[field] = group[name]
+        else:
+            arrays[name] = group[name]
+    return arrays
+
+
+IN_MEMORY_BYTES = 64 * 2**20  # training sets up to this size are read once; larger ones stream from the store
+
+
+def train_batches(data: DataRef, options: dict[str, Any], batch_size: int) -> Batches:
+    """The training set for curvature passes: held in memory when small, else streamed chunk by chunk.
+
+    Matrix-free methods pass over the data once per iteration, so re-reading a small set from S3 each time
+    would dominate their cost.
+    """
+    arrays = open_data(data, options)
+    x, y = arrays["x_train"], arrays["y_train"]
+    if examples.nbytes(x) + y.nbytes <= IN_MEMORY_BYTES:
+        return TensorBatches(examples.read(x), examples.read(y), batch_size)
+    return ArrayBatches(x, y, batch_size)
+
+
+def load_model(model: ModelRef, options: dict[str, Any], device: str = "cpu") -> nn.Module:
+    """The trained module on `device`: rebuilt from its spec, weights read with weights_only=True."""
+    spec = ModelSpec.model_validate(model.spec)
+    shape = tuple(model.feature_shape) if model.feature_shape is not None else None
+    module = spec.build(model.in_features, model.out_features, shape).to(device=device, dtype=getattr(torch, spec.dtype))
+    return load_into(module, load_state(model.url, options, field="model", device=device), field="model")
+
+
+def save_tensors(url: str, tensors: dict[str, torch.Tensor], options: dict[str, Any]) -> None:
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    storage.write_bytes(url, buffer.getvalue(), options)
+
+
+def load_influence_model(
+    method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], device: str = "cpu", train: Batches | None = None
+) -> InfluenceFunctionModel:
+    """The influence model on `device` with its stored curvature state, bound to the stored training data (`train`:
+    those batches already open, shared by an ensemble's members)."""
+    im = method.build(load_model(model, options, device), ModelSpec.model_validate(model.spec).make_task())
+    state = load_state(preconditioner.url, options, field="preconditioner", device=device)
+    return im.load_state_dict(state, train=train if train is not None else train_batches(data, options, method.batch_size))
+
+
+def read_factors(im: InfluenceFunctionModel, url: str, options: dict[str, Any], x_train: Any, y_train: zarr.Array) -> torch.Tensor | Rows:
+    """The stored query factors as a scorer takes them: for methods that contract, per-layer rows filled one stored
+    chunk at a time (a worker holds the factors once, never also as a flat copy); else the flat matrix."""
+    array = storage.open_array(url, options)
+    device = im.objective.space.device
+    if not im.contracts():
+        return torch.from_numpy(np.asarray(array[:])).to(device)
+    split = im.gradient_split(examples.read(x_train, slice(0, 8)), examples.read(y_train, slice(0, 8)))
+    step = array.chunks[0]
+    blocks = ((lo, torch.from_numpy(np.asarray(array[lo : lo + step])).to(device)) for lo in range(0, array.shape[0], step))
+    return stream_rows(blocks, array.shape[0], split, im.row_order, im.query_rank)
+
+
+def index_projection(im: InfluenceFunctionModel, data: DataRef, options: dict[str, Any], side: int) -> IndexProjection:
+    """A compressed training index's projection for this influence model (its gradient split probed on the first
+    training rows): the same on the index's side and the queries'."""
+    arrays = open_data(data, options)
+    x, y = examples.read(arrays["x_train"], slice(0, 8)), examples.read(arrays["y_train"], slice(0, 8))
+    damped = {layer.name: im.solvers[layer.block].damped(im.objective.space.dtype) for layer in im.layers} if isinstance(im, KfacInfluence) else None  # type: ignore[attr-defined]
+    return IndexProjection(im.gradient_split(x, y), im.row_order, side, seed=0, damped=damped)

@@ -1,0 +1,203 @@
+"""The two ends of a run: claiming the output (status=running, the run's fingerprint) and publishing it
+(report.png, summary.json, stale arrays removed, the group attributes, with status=complete written last)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from . import damage, storage
+from ...errors import ConfigError
+from ..score.layout import SCORE_CONVENTION
+from .refs import DataRef, IndexRef, ModelRef, StageRef, ValidationRef
+from ..specs import METHOD_CLASSES, MagicMethod, ModelSpec
+from ..report.report import Decode, QueryRow, example_view, lds_line, render_report, topk_rows
+from ...version import CODE_VERSION, source_commit
+from .loading import open_data
+from .run_store import RunStore
+
+SCHEMA_VERSION = 1
+REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
+VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "slope", "pearson", "subsets", "subsets_computed", "fraction", "queries")
+PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
+
+
+def package_versions() -> dict[str, str]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def check_owner(store: RunStore, fingerprint: str, overwrite: bool) -> None:
+    """Refuse an output that holds a run of other parameters, complete or not, unless `overwrite`: one output never
+    mixes arrays of two configurations. Reads only; nothing is written before this passes."""
+    if overwrite or not storage.exists(storage.join(store.influence_url, "zarr.json"), store.options):
+        return
+    if "" in damage.damaged_nodes(store.influence_url, store.options):
+        return  # its owner cannot be read: begin_run repairs it, and every array not of this run is recomputed
+    attrs = storage.open_group(store.influence_url, store.options, mode="r").attrs
+    if attrs.get("run_fingerprint") != fingerprint:
+        raise ConfigError(
+            "output_url",
+            f"{store.output_url} holds a {attrs.get('status', 'foreign')} run of other parameters (run fingerprint {attrs.get('run_fingerprint')}, this run's {fingerprint})",
+            "choose another output_url, or replace that run with --overwrite (overwrite: true)",
+        )
+
+
+def begin_run(store: RunStore, fingerprint: str, overwrite: bool) -> None:
+    """Under the run lock, just before scoring: check the owner again, then claim the output for this run's
+    parameters. A new or replaced output is flagged running at once (the replaced run's attributes go now, its
+    arrays when this run publishes); an output of these same parameters stays as it is, and the scoring or
+    aggregation stage that rewrites part of it flags it. Stages before this write only their own content-addressed
+    outputs, so a run refused for bad input leaves an earlier run as it was."""
+    check_owner(store, fingerprint, overwrite)
+    with store.writing("the run's start", "a few kB for influence.zarr's metadata"):
+        repaired = damage.repair(store.influence_url, store.options)  # damaged metadata: those arrays are recomputed
+        group = storage.open_group(store.influence_url, store.options, mode="a")
+        if group.attrs.get("run_fingerprint") != fingerprint:
+            group.attrs.put({"status": "running", "run_fingerprint": fingerprint})
+        elif repaired:
+            group.attrs["status"] = "running"
+
+
+def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
+    """Delete the arrays no stage of this run wrote (every stage marks its arrays with its fingerprint): what a
+    replaced run left behind never survives into this one."""
+    group = storage.open_group(store.influence_url, store.options, mode="a")
+    mine = {ref.fingerprint for ref in refs.values()}
+    stale = [name for name, array in group.arrays() if array.attrs.get("fingerprint") not in mine]
+    for name in stale:
+        del group[name]
+
+
+def query_rows(store: RunStore, arrays: dict[str, Any], decode: Decode, n_queries: int, n_show: int) -> list[QueryRow]:
+    """The first `n_queries` queries with their `n_show` most helpful and most harmful training examples, token ids
+    read as text by `decode` (the run's task's)."""
+    group = storage.open_group(store.influence_url, store.options, mode="r")
+    return topk_rows(group, arrays["y_train"], arrays["y_test"], n_queries, n_show, example_view(arrays["x_test"]), decode, example_view(arrays["x_train"]))
+
+
+def task_decode(model: dict[str, Any]) -> Decode:
+    """The run's task's `decode` (its tokenizer, or the byte-level default), for the table and the report."""
+    return ModelSpec.model_validate(model).make_task().decode
+
+
+def report_heading(config: dict[str, Any], n_show: int) -> str:
+    """The report's first line: the method that made the scores, and how many of top_k each row shows."""
+    name, top_k = config["method"]["name"], config["aggregate"]["top_k"]
+    shown = f"top {top_k}" if n_show == top_k else f"top {n_show} of top_k={top_k} (all are in influence.zarr)"
+    projection = config["method"].get("projection")
+    projected = f", gradients projected ({projection['kind']}, dim {projection['dim']})" if projection else ""
+    title = METHOD_CLASSES[name].title if name in METHOD_CLASSES else str(MagicMethod.model_config.get("title"))
+    return f"Influence by {title.split(' (')[0]} (method {name}{projected}), {shown}"  # the form's title without its aside
+
+
+def publish(
+    store: RunStore, refs: dict[str, StageRef], config: dict[str, Any], stages: dict[str, dict[str, Any]], n_queries: int, n_show: int, started: datetime
+) -> tuple[dict[str, Any], list[QueryRow]]:
+    """Write report.png and summary.json, then the group attributes; `status` becomes complete last. Returns the
+    summary and the first queries' rows with `n_show` examples each, for the table and the report.
+    `started`: when the run's flow began; the summary's wall_seconds run from there to the summary."""
+    data = refs["prepare_data"]
+    assert isinstance(data, DataRef)
+    arrays, spec = open_data(data, store.options), ModelSpec.model_validate(config["model"])
+    decode = spec.make_task().decode
+    rows = query_rows(store, arrays, decode, n_queries, n_show)
+    validation = refs.get("validate")
+    validated = validation.model_dump(include=set(VALIDATION_FIELDS)) if isinstance(validation, ValidationRef) else None
+    text = spec.token_inputs or (isinstance(arrays["x_test"], dict) and "input_ids" in arrays["x_test"])  # token ids: shown as text
+    note = None if validated is None else lds_line(validated)
+    png = render_report(rows, example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, report_heading(config, n_show), note, text, decode)
+    finished = datetime.now(timezone.utc)
+    summary = {
+        "status": "complete",
+        "started_at": started.isoformat(),
+        "finished_at": finished.isoformat(),
+        "wall_seconds": round((finished - started).total_seconds(), 3),
+        "output_url": store.output_url,
+        "influence": store.influence_url,
+        "report": store.url("report.png"),
+        "n_train": data.n_train,
+        "n_test": data.n_test,
+        "task": spec.attributed_task,  # resolved: never auto
+        "parameters": refs.get("fit_preconditioner", refs["compute_influences"]).parameters,  # which of the model's parameters the scores are over (magic: its scoring stage)
+        **({} if validated is None else {"validation": validated}),
+        "stages": stages,
+        "config": config,
+        "code_version": CODE_VERSION,
+        "commit": source_commit(),
+        "versions": package_versions(),
+    }
+    stored = portable_summary(store, summary)
+    need = f"{storage.megabytes(len(png) + len(json.dumps(stored, default=str)))} for report.png and summary.json"
+    with store.writing("publish", need):  # a full disk here is one line too, and status stays running
+        storage.write_bytes(store.url("report.png"), png, store.options)
+        storage.write_json(store.url("summary.json"), stored, store.options)
+        prune(store, refs)
+        group = storage.open_group(store.influence_url, store.options, mode="a")
+        group.attrs.update(
+            {
+                "schema_version": SCHEMA_VERSION,
+                **SCORE_CONVENTION,
+                "config": portable_config(config),
+                "fingerprints": {name: ref.fingerprint for name, ref in refs.items()},
+                "refs": {name: ref.moved(store.relative).model_dump(mode="json") for name, ref in refs.items()},
+                "versions": summary["versions"],
+                "stage_timings": {name: stage["seconds"] for name, stage in stages.items()},
+            }
+        )
+        group.attrs["status"] = "complete"
+    return summary, rows
+
+
+def portable_summary(store: RunStore, summary: dict[str, Any]) -> dict[str, Any]:
+    """summary.json as stored: every location relative to the output's root, so a moved or copied output stays
+    right; the flow returns the absolute form to its caller."""
+    stages = {name: {**stage, "url": store.relative(stage["url"])} for name, stage in summary["stages"].items()}
+    return {**summary, "output_url": ".", "influence": store.relative(summary["influence"]), "report": store.relative(summary["report"]), "stages": stages, "config": portable_config(summary["config"])}
+
+
+def portable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The parameters as recorded inside the output: `output_url` is the output's own root, '.'."""
+    return {**config, "output_url": "."} if "output_url" in config else config
+
+
+def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
+    """The stage refs a published run records, resolved against where the output is now."""
+    types = {"prepare_data": DataRef, "fit_model": ModelRef, "index_training": IndexRef}
+    return {name: types.get(name.split("[")[0], StageRef).model_validate(ref).moved(store.resolve) for name, ref in attrs["refs"].items()}  # fit_model[1]: a ModelRef
+
+
+def read_attrs(store: RunStore) -> Any:
+    """A finished run's group attributes; a missing, damaged or unfinished run is refused with a ConfigError."""
+    damaged = damage.damaged_nodes(store.influence_url, store.options)
+    if damaged:
+        raise ConfigError("output_url", damage.describe(store.influence_url, damaged), REPAIR_FIX)
+    try:
+        group = storage.open_group(store.influence_url, store.options, mode="r")
+    except FileNotFoundError:
+        raise ConfigError("output_url", f"no influence.zarr under {store.output_url!r}", "give the output_url of a finished run, or run the pipeline there first") from None
+    status = group.attrs.get("status")
+    if status != "complete":
+        raise ConfigError("output_url", f"the run at {store.output_url!r} is not complete (status={status!r})", "run it again with the same parameters to finish it")
+    return group.attrs
+
+
+def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tuple[dict[str, Any], list[QueryRow]]:
+    """A finished run's attributes and top-k rows, `n_show` examples each (None: all the run stores); a missing or
+    unfinished run, or more examples than it stores (`show --top`), is refused with a ConfigError."""
+    attrs = read_attrs(store)
+    group = storage.open_group(store.influence_url, store.options, mode="r")
+    stored = group["topk_helpful_indices"].shape[1]
+    if n_show is not None and n_show > stored:
+        raise ConfigError("--top", f"{n_show} is more than the {stored} examples per query the run stores (its top_k)", f"give --top {stored} or less, or run again with aggregate.top_k={n_show}")
+    data = stored_refs(store, attrs)["prepare_data"]
+    assert isinstance(data, DataRef)
+    decode = task_decode(attrs["config"]["model"])
+    return dict(attrs), query_rows(store, open_data(data, store.options), decode, n_queries, stored if n_show is None else n_show)

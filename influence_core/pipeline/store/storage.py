@@ -1,0 +1,234 @@
+"""Where results live: local paths or s3:// URLs, opened through fsspec and Zarr v3."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import shutil
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import fsspec
+import zarr
+from zarr.storage import FsspecStore, LocalStore
+
+from ...errors import ConfigError
+
+REMOTE_SCHEMES = ("s3",)
+
+
+def scheme(url: str) -> str:
+    """The URL's scheme; '' for a plain local path."""
+    return url.split("://", 1)[0] if "://" in url else ""
+
+
+def validate_url(url: str, field: str = "output_url") -> str:
+    """Accept local paths, file:// and s3:// URLs; name the field and the fix otherwise."""
+    kind = scheme(url)
+    if kind not in ("", "file", *REMOTE_SCHEMES):
+        raise ConfigError(field, f"unsupported scheme {kind!r} in {url!r}", "use a local path, file:///path or s3://bucket/prefix")
+    if kind in REMOTE_SCHEMES and not url.split("://", 1)[1].strip("/"):
+        raise ConfigError(field, f"{url!r} names no bucket", "use s3://bucket/prefix")
+    if kind in REMOTE_SCHEMES:
+        return url.rstrip("/")
+    return str(Path(url.removeprefix("file://")).expanduser().absolute())
+
+
+def join(url: str, *parts: str) -> str:
+    """Append path parts to a local path or URL."""
+    return posixpath.join(url, *parts)
+
+
+def is_absolute(url: str) -> bool:
+    """A URL with a scheme or a rooted local path; anything else is relative to some root."""
+    return bool(scheme(url)) or url.startswith("/")
+
+
+def is_remote(url: str) -> bool:
+    return scheme(url) in REMOTE_SCHEMES
+
+
+def filesystem(url: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    """A synchronous fsspec filesystem and the path inside it."""
+    fs, path = fsspec.core.url_to_fs(url, **(options if is_remote(url) else {}))
+    return fs, path
+
+
+def zarr_store(url: str, options: dict[str, Any], read_only: bool = False) -> zarr.abc.store.Store:
+    """A Zarr store for the URL; for S3, FsspecStore.from_url builds the asynchronous filesystem zarr needs."""
+    if is_remote(url):
+        return FsspecStore.from_url(url, storage_options=options, read_only=read_only)
+    return LocalStore(validate_url(url), read_only=read_only)
+
+
+def open_group(url: str, options: dict[str, Any], mode: str = "a") -> zarr.Group:
+    return zarr.open_group(store=zarr_store(url, options, read_only=mode == "r"), mode=mode)
+
+
+def open_array(url: str, options: dict[str, Any], mode: str = "r") -> zarr.Array:
+    parent, name = url.rsplit("/", 1)
+    group = open_group(parent, options, mode="r" if mode == "r" else "a")
+    node = group[name]
+    assert isinstance(node, zarr.Array)
+    return node
+
+
+def write_bytes(url: str, data: bytes, options: dict[str, Any]) -> None:
+    fs, path = filesystem(url, options)
+    fs.mkdirs(posixpath.dirname(path), exist_ok=True)
+    fs.pipe_file(path, data)
+
+
+def read_bytes(url: str, options: dict[str, Any]) -> bytes:
+    fs, path = filesystem(url, options)
+    return fs.cat_file(path)
+
+
+def write_json(url: str, obj: Any, options: dict[str, Any]) -> None:
+    write_bytes(url, json.dumps(obj, indent=2, sort_keys=True, default=str).encode(), options)
+
+
+def read_json(url: str, options: dict[str, Any]) -> Any:
+    return json.loads(read_bytes(url, options))
+
+
+def exists(url: str, options: dict[str, Any]) -> bool:
+    fs, path = filesystem(url, options)
+    return bool(fs.exists(path))
+
+
+def remove(url: str, options: dict[str, Any]) -> None:
+    """Delete a file or a directory tree if present."""
+    fs, path = filesystem(url, options)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def list_names(url: str, options: dict[str, Any]) -> list[str]:
+    """Base names of the entries under a directory or prefix; empty when it does not exist."""
+    fs, path = filesystem(url, options)
+    try:
+        return [posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+PROBE_TIMEOUT = 3.0  # seconds: a preflight fails fast instead of after botocore's 60 s connect timeout and retries
+
+
+def check_writable(url: str, options: dict[str, Any], field: str = "output_url") -> None:
+    """Fail in seconds, naming the field, when the location cannot be written: no S3 credentials, a closed endpoint,
+    a missing bucket, or a read-only directory. Writes one probe file and removes it, so nothing is left behind."""
+    if is_remote(url):
+        _check_s3(url, options, field)
+    fs, path = filesystem(url, options)
+    if not is_remote(url):
+        path = _existing_ancestor(Path(path), field)  # probe where the run would create its directory; create nothing
+    probe = posixpath.join(path, f".write-probe-{uuid.uuid4().hex}")
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except OSError as exc:
+        raise ConfigError(field, f"cannot write to {url!r} ({exc.strerror or exc})", f"point {field} at a writable location, or make it writable") from None
+
+
+def free_bytes(url: str) -> int | None:
+    """Free space on the local disk that holds (or would hold) `url`; None for object stores, which do not fill up."""
+    if is_remote(url):
+        return None
+    path = Path(validate_url(url))
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def megabytes(size: int) -> str:
+    return f"{size / 2**20:,.1f} MB"
+
+
+def _existing_ancestor(path: Path, field: str) -> str:
+    """The directory itself, or the nearest parent that exists (where the run would create it)."""
+    while not path.exists():
+        path = path.parent
+    if not path.is_dir():
+        raise ConfigError(field, f"{str(path)!r} is a file, not a directory", f"point {field} at a directory")
+    return str(path)
+
+
+def _check_s3(url: str, options: dict[str, Any], field: str) -> None:
+    """Credentials in the environment, an endpoint that answers, and an existing bucket; each cheap."""
+    import botocore.session
+
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    endpoint = options.get("client_kwargs", {}).get("endpoint_url")
+    if not options.get("anon") and botocore.session.get_session().get_credentials() is None:
+        raise ConfigError(
+            field,
+            f"no S3 credentials to reach bucket {bucket!r}",
+            "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) where the flow runs; never put them in parameters",
+        )
+    if endpoint:
+        _check_endpoint(endpoint)
+    where = endpoint or "the default AWS endpoint"
+    fs, _ = filesystem(url, {**options, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}})  # a wrong endpoint fails in seconds
+    try:
+        found = fs.exists(bucket)
+    except PermissionError as exc:
+        raise ConfigError(field, f"access to bucket {bucket!r} at {where} was denied ({exc})", "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment") from None
+    except OSError as exc:
+        raise ConfigError(field, f"cannot reach bucket {bucket!r} at {where} ({exc})", "check storage.endpoint_url and the network") from None
+    if not found:
+        raise ConfigError(field, f"S3 bucket {bucket!r} does not exist at {where}", f"create it (e.g. `aws s3 mb s3://{bucket} --endpoint-url {where}`) or point {field} at an existing bucket")
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """A TCP connection to the endpoint within PROBE_TIMEOUT seconds."""
+    parts = urlsplit(endpoint)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=PROBE_TIMEOUT).close()
+    except OSError as exc:
+        raise ConfigError(
+            "storage.endpoint_url", f"nothing answers at {endpoint} ({exc.strerror or exc})", "start the S3 service there, or correct storage.endpoint_url"
+        ) from None
+
+
+def _stamp(info: dict[str, Any]) -> str:
+    """What changes when an object is replaced: its ETag on S3, its modification time on a local disk."""
+    return str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created"))
+
+
+def stat_token(url: str, options: dict[str, Any]) -> str:
+    """A digest of the size and ETag or modification time of the file, or of every file under the directory:
+    it changes when the content is replaced, without reading the content."""
+    fs, path = filesystem(url, options)
+    entries = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
+    digest = hashlib.sha256()
+    for name, info in sorted(entries.items()):
+        digest.update(f"{name}:{info.get('size')}:{_stamp(info)}".encode())
+    return digest.hexdigest()[:24]
+
+
+def file_sizes(url: str, options: dict[str, Any]) -> dict[str, int]:
+    """Size of every file under a directory or prefix, by path relative to it (one listing); empty when absent."""
+    fs, path = filesystem(url, options)
+    root = path.rstrip("/") + "/"
+    return {name.removeprefix(root): int(info["size"]) for name, info in fs.find(path, detail=True).items() if name.startswith(root)}
+
+
+def file_stamp(url: str, options: dict[str, Any]) -> tuple[int, str] | None:
+    """Size and stamp of one file, without reading it; None when it is gone."""
+    fs, path = filesystem(url, options)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    return int(info["size"]), _stamp(info)
+
+
+def content_hash(url: str, options: dict[str, Any]) -> str:
+    return hashlib.sha256(read_bytes(url, options)).hexdigest()
