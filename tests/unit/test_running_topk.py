@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from influence_core.pipeline.query import _Running
+from influence_core.pipeline.score.query import _Running
 
 
 @pytest.mark.parametrize(("levels", "step"), [(None, 37), (20, 37), (3, 50), (None, 3)])
