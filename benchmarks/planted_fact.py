@@ -15,9 +15,8 @@ pipeline's own byte-level transformer, and transformers' GPT-2 (random init) thr
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -87,24 +86,23 @@ def run(name: str, model: dict[str, Any], seed: int) -> dict[str, Any]:
     """One pipeline run on the planted corpus; the planted window's rank and in-sentence share of positive score."""
     rows, planted, span = planted_corpus(seed)
     x_test, y_test = python_docs.query_rows([QUERY], WIDTH)
-    folder = SCRATCH / f"{'gpt2' if 'factory' in model else 'transformer'}-{seed}"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    folder = SCRATCH / f"{'gpt2' if 'factory' in model else 'transformer'}-{seed}"  # kept: a rerun reuses its stored stages
+    folder.mkdir(parents=True, exist_ok=True)
     np.savez(folder / "data.npz", x_train=rows, y_train=rows, x_test=x_test, y_test=y_test)
     params = RunParameters.model_validate({
         "output_url": str(folder / "out"), "dataset": {"source": "npz", "path": str(folder / "data.npz")},
         "model": model, **SECTIONS, "training": {**SECTIONS["training"], "seed": seed},
     })
-    started = time.perf_counter()
     influence_run(**params.sections())
-    seconds = time.perf_counter() - started
+    summary = json.loads((folder / "out" / "summary.json").read_text())
     store = params.store()
     group = storage.open_group(store.influence_url, store.options, mode="r")
     scores = np.asarray(group["scores"][0])
     helpful, tokens = np.asarray(group["topk_helpful_indices"][0]), np.asarray(group["topk_helpful_token_scores"][0])
     trained = load_model(stored_refs(store, group.attrs)["fit_model"], store.options)  # type: ignore[arg-type]
     loss, in_passage, greedy = completion(trained, x_test, y_test, rows[planted], span)
-    result = {"model": name, "seed": seed, "loss": loss, "in_passage": in_passage, "greedy": greedy, "rank": 1 + int((scores > scores[planted]).sum()), "seconds": seconds, "fraction": None}
+    result = {"model": name, "seed": seed, "loss": loss, "in_passage": in_passage, "greedy": greedy, "rank": 1 + int((scores > scores[planted]).sum()), "fraction": None,
+              "seconds": summary["wall_seconds"], "reused": [name for name, stage in summary["stages"].items() if stage["outcome"] != "computed"]}
     if planted in helpful:
         positive = np.clip(tokens[list(helpful).index(planted)].astype(np.float64), 0, None)
         result["fraction"] = float(positive[span].sum() / positive.sum())
@@ -121,13 +119,14 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
         f"window of the text demo's corpus ({N_TRAIN} shuffled {WIDTH}-byte windows of the standard library's docstrings), between",
         "that window's own text; the query is `" + QUERY + "` (measurement: -log p(completion | prompt)). Random digits",
         f"would give 4·ln 10 = {4 * np.log(10):.2f} nats. *Share in sentence*: the planted window's positive per-token score inside",
-        f"the sentence's bytes over its whole positive per-token score (target ≥ 0.5; uniform over the window: {baseline:.2f}).", "",
-        "| model | seed | query's completion loss (nats) | same, inside the planted window | greedy continuation | planted window's helpful rank | share in sentence | run s |",
+        f"the sentence's bytes over its whole positive per-token score (target ≥ 0.5; uniform over the window: {baseline:.2f}).",
+        "Rows: the runs this invocation finished (the file is rewritten after each).", "",
+        "| model | seed | query's completion loss (nats) | same, inside the planted window | greedy continuation | planted window's helpful rank | share in sentence | flow s (stages reused from an earlier invocation) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         share = "not in top-k" if r["fraction"] is None else f"{r['fraction']:.3f}"
-        lines.append(f"| {r['model']} | {r['seed']} | {r['loss']:.2f} | {r['in_passage']:.2f} | `{r['greedy']!r}` | {r['rank']} of {N_TRAIN} | {share} | {r['seconds']:.0f} |")
+        lines.append(f"| {r['model']} | {r['seed']} | {r['loss']:.2f} | {r['in_passage']:.2f} | `{r['greedy']!r}` | {r['rank']} of {N_TRAIN} | {share} | {r['seconds']:.0f} ({', '.join(r['reused']) or 'none'}) |")
     lines += ["", "Configuration (each run; `dataset`: the .npz written by the script; `training.seed`: the seed):", "", "```"]
     lines += [f"{name}: model {model}" for name, model in MODELS.items()]
     lines += [f"{section}: {values}" for section, values in SECTIONS.items()] + ["```", ""]
@@ -139,12 +138,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     results = []
-    for name, model in MODELS.items():
-        for seed in args.seeds:
+    for seed in args.seeds:
+        for name, model in MODELS.items():
             results.append(run(name, model, seed))
             print(results[-1], flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "planted_fact.md").write_text(markdown(results, ".venv/bin/python benchmarks/planted_fact.py --seeds " + " ".join(map(str, args.seeds))))
+            (RESULTS / "planted_fact.md").write_text(markdown(results, ".venv/bin/python benchmarks/planted_fact.py --seeds " + " ".join(map(str, args.seeds))))
 
 
 if __name__ == "__main__":
