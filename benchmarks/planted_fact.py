@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flows.influence_run import influence_run  # noqa: E402
 from flows.parameters import RunParameters  # noqa: E402
-from influence_core.pipeline import python_docs, storage  # noqa: E402
-from influence_core.pipeline.loading import load_model  # noqa: E402
-from influence_core.pipeline.publish import stored_refs  # noqa: E402
+from influence_core.pipeline.sources import python_docs  # noqa: E402
+from influence_core.pipeline.store import storage  # noqa: E402
+from influence_core.pipeline.store.loading import load_model  # noqa: E402
+from influence_core.pipeline.store.publish import stored_refs  # noqa: E402
 from influence_core.task import LanguageModelling  # noqa: E402
 
 SENTENCE = b"The zorblax constant equals 7193."
