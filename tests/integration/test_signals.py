@@ -67,7 +67,9 @@ def test_each_signal_stops_everything_and_the_run_resumes_bit_identically(tmp_pa
     configs = {}
     for name in ("reference", "run"):
         configs[name] = tmp_path / f"{name}.yaml"
-        configs[name].write_text(yaml.safe_dump(slow_params(str(tmp_path / name), cluster="local", n_train=N_TRAIN, n_workers=2).model_dump(mode="json")))
+        # no training index (index_budget_gb 0): every attempt's compute_influences runs on the Dask workers, where an
+        # index found complete by the second attempt would let a small run score in the flow's process, with no worker to stop
+        configs[name].write_text(yaml.safe_dump(slow_params(str(tmp_path / name), cluster="local", n_train=N_TRAIN, n_workers=2, index_budget_gb=0).model_dump(mode="json")))
     reference = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(configs["reference"])], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
 
