@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-text test test-e2e quality bench bench-quick bench-scaling bench-big bench-soak bench-fastif serve clean
+.PHONY: install demo demo-text test test-e2e quality bench bench-quick bench-scaling bench-big bench-soak bench-fastif bench-bergson serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ bench-soak: $(STAMP)
 
 bench-fastif: $(STAMP)
 	$(BIN)/python benchmarks/fastif.py
+
+# Side by side with EleutherAI's bergson 2.5.1 (its venv built on first use under benchmarks/.venvs/bergson)
+bench-bergson: $(STAMP)
+	benchmarks/peers/setup_bergson.sh >/dev/null
+	$(BIN)/python benchmarks/bergson_side_by_side.py --rounds 2
 
 clean:
 	rm -rf runs .pytest_cache
