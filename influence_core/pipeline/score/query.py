@@ -70,6 +70,28 @@ def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cp
     """The top-k of queries (x, y) against the run at `store`: factors solved from its curvature, scores streamed over
     its training index (or its FAISS index's candidates scored, with `search.kind: faiss`)."""
     search = search or SearchSpec()
+    asked = solve(store, x, y, top_k, device)
+    if search.kind == "faiss":
+        arrays, described = faiss_top_k(asked.index, asked.factors, top_k, search, store.options, asked.work)
+        return Answer(arrays, asked.work, asked.config, asked.data, described)
+    return Answer(scan_top_k(asked.index, asked.factors, top_k, store.options, asked.work), asked.work, asked.config, asked.data)
+
+
+@dataclass
+class Question:
+    """Queries solved against a run: their factors in its index's coordinates, the run's config, index and data, and
+    the work so far."""
+
+    factors: torch.Tensor
+    config: dict[str, Any]
+    index: IndexRef
+    data: DataRef
+    work: Work
+
+
+def solve(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu") -> Question:
+    """The factors of queries (x, y) from the run's model and curvature, projected as its index is (LoGra); refused
+    in one line when the queries or top_k do not fit the run."""
     config, model, curvature, index, data = run_index(store)
     if top_k > data.n_train:
         raise ConfigError("--top", f"{top_k} exceeds the run's {data.n_train} training examples", f"give --top {data.n_train} or less")
@@ -80,11 +102,7 @@ def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cp
     factors = im.influence_factors(xq, yq)
     if index.compression == "logra":
         factors = index_projection(im, data, store.options, index.side or 0).factors(factors)
-    work = im.work.copy()
-    if search.kind == "faiss":
-        arrays, described = faiss_top_k(index, factors, top_k, search, store.options, work)
-        return Answer(arrays, work, config, data, described)
-    return Answer(scan_top_k(index, factors, top_k, store.options, work), work, config, data)
+    return Question(factors, config, index, data, im.work.copy())
 
 
 def scan_top_k(index: IndexRef, factors: torch.Tensor, top_k: int, options: dict[str, Any], work: Work) -> dict[str, np.ndarray]:
