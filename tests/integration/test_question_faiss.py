@@ -76,7 +76,7 @@ def test_an_approximate_index_finds_most_of_the_exact_top_10_with_their_exact_sc
     scores, rtol 1e-5), in the scan's order."""
     *_, scores = run
     scan, found = _ask(run), _ask(run, SearchSpec(kind="faiss", index=kind, nprobe=nprobe))
-    assert found.search["index"] == kind and found.search.get("nprobe") == (nprobe or 32 if kind == "ivf" else None)
+    assert found.search["index"] == kind and found.search.get("nprobe") == ((nprobe or 32) if kind == "ivf" else None)
     for side, order, floor in (("helpful", 1, floors[0]), ("harmful", -1, floors[1])):
         indices, values = found.arrays[f"topk_{side}_indices"], found.arrays[f"topk_{side}_scores"]
         recall = _recall(scan.arrays[f"topk_{side}_indices"], indices)
