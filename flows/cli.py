@@ -17,6 +17,7 @@ from rich.text import Text
 if TYPE_CHECKING:
     from influence_core.pipeline.store.run_store import RunStore
     from influence_core.pipeline.report.report import QueryRow
+    from influence_core.pipeline.specs import SearchSpec
 
     from .parameters import RunParameters
 
@@ -234,6 +235,9 @@ def query(
     top: Annotated[int, typer.Option(min=1, help="Most helpful and most harmful training examples per query.")] = 5,
     output_url: Annotated[Optional[str], typer.Option(help="Where to write the answer (a Zarr group of the top-k arrays); nothing is written when empty.")] = None,
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
+    search: Annotated[str, typer.Option(help="scan: score every index row (exact); faiss: candidates from a FAISS inner-product index over the rows, built once and kept beside the index.")] = "scan",
+    faiss_index: Annotated[str, typer.Option(help="With --search faiss: flat (exact), ivf or hnsw (approximate); auto: flat up to 100,000 rows, ivf above.")] = "auto",
+    nprobe: Annotated[Optional[int], typer.Option(show_default="1/16 of the lists", help="With an ivf index: lists searched per query (more: slower, higher recall).")] = None,
 ) -> None:
     """Score new queries against a finished run's training index, in this process: its model, curvature and index
     come from the run's store, and no training gradient is evaluated."""
@@ -242,15 +246,44 @@ def query(
     from influence_core.errors import ConfigError
     from influence_core.pipeline.score.query import ask
 
+    how = search_spec(search, faiss_index, nprobe)
     store = open_store(run, endpoint_url)
     start = time.perf_counter()
     try:
-        found, rows, method = ask(store, queries, top, open_store(output_url, endpoint_url) if output_url else None)
+        found, rows, method = ask(store, queries, top, open_store(output_url, endpoint_url) if output_url else None, how)
     except ConfigError as exc:
         raise fail([str(exc)], 1) from None
     print_table(rows, f"{store.output_url}: method={method}, new queries against its training index")
     work = found.work
     console.print(f"{len(rows)} queries in {time.perf_counter() - start:.2f} s: {work.gradient_rows} gradient rows (the queries'), {work.index_rows} index rows read ({work.index_bytes / 1e6:.1f} MB)")
+    console.print(search_line(found.search), markup=False, soft_wrap=True)
+
+
+SEARCH_FLAGS = {"kind": "--search", "index": "--faiss-index", "nprobe": "--nprobe"}  # `query`'s flags for SearchSpec's fields
+
+
+def search_spec(kind: str, index: str, nprobe: int | None) -> SearchSpec:
+    """`query`'s search flags as a SearchSpec; a bad value is one line naming its flag (exit 2)."""
+    from pydantic import ValidationError
+
+    from influence_core.pipeline.specs import SearchSpec
+
+    from .messages import validation_lines
+
+    try:
+        return SearchSpec.model_validate({"kind": kind, "index": index, "nprobe": nprobe})
+    except ValidationError as exc:
+        names = {**SEARCH_FLAGS, **{f"search.{field}": flag for field, flag in SEARCH_FLAGS.items()}}
+        raise fail(validation_lines(exc, SearchSpec, names), 2) from None
+
+
+def search_line(search: dict[str, Any]) -> str:
+    """How the answer's top-k was found, as `query` prints it."""
+    if search["kind"] != "faiss":
+        return "search: exact scan of the index"
+    settings = ", ".join(f"{name} {search[name]}" for name in ("nlist", "nprobe", "neighbours", "ef_search") if name in search)
+    kept = f"built in {search['build_seconds']:.1f} s and kept" if search["built"] else f"loaded in {search['seconds']:.1f} s (built once in {search['build_seconds']:.1f} s)"
+    return f"search: FAISS {search['index']} inner-product index{f' ({settings})' if settings else ''}, {search['candidates_per_query']} candidates a side per query scored exactly; {kept}: {search['url']}"
 
 
 @app.command()

@@ -16,9 +16,10 @@ BOUNDS = {"greater_than_equal": ("ge", "{} or more"), "greater_than": ("gt", "ab
 WRONG_TYPE = ("_type", "_parsing")  # error kinds that only say the value is not of one union member's type
 
 
-def validation_lines(exc: ValidationError, model: type[BaseModel]) -> list[str]:
-    """One line per error; values are never echoed (an endpoint URL may hold a credential)."""
-    return [_line(err, model) for err in _one_per_field([{**err, "loc": _without_union_members(err["loc"])} for err in exc.errors()])]
+def validation_lines(exc: ValidationError, model: type[BaseModel], names: dict[str, str] | None = None) -> list[str]:
+    """One line per error; values are never echoed (an endpoint URL may hold a credential). `names` renames fields
+    as the user wrote them (a CLI's flags: `search.nprobe` is `--nprobe`)."""
+    return [_line(err, model, names or {}) for err in _one_per_field([{**err, "loc": _without_union_members(err["loc"])} for err in exc.errors()])]
 
 
 def _without_union_members(loc: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -48,12 +49,12 @@ def _same_field(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return a[: len(b)] == b or b[: len(a)] == a
 
 
-def _line(err: Any, model: type[BaseModel]) -> str:
+def _line(err: Any, model: type[BaseModel], names: dict[str, str]) -> str:
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, ConfigError):  # a validator that already knows the field and the fix
-        return str(cause)
+        return f"{names.get(cause.field, cause.field)}: {cause.problem}. Fix: {cause.fix}"
     path, section, members = _walk(model, [str(part) for part in err["loc"]])
-    field = ".".join(path) or "(top level)"
+    field = names.get(".".join(path), ".".join(path) or "(top level)")
     return f"{field}: {err['msg']}. Fix: {_fix(err, field, path, section, members)}"
 
 

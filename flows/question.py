@@ -7,7 +7,7 @@ from prefect import flow
 from pydantic import Field
 
 from influence_core.pipeline.store.run_store import RunStore
-from influence_core.pipeline.specs import StorageSpec
+from influence_core.pipeline.specs import SearchSpec, StorageSpec
 from tasks.question import answer_question
 
 from . import refusals
@@ -22,12 +22,14 @@ def influence_question(
     top_k: int = Field(5, ge=1, description="Most helpful and most harmful training examples per query."),
     output_url: str = Field("", description="Where the answer goes (a Zarr group of top-k arrays); empty: {run_url}/questions/{flow run name}."),
     storage: StorageSpec = StorageSpec(),
+    search: SearchSpec = SearchSpec(),
 ) -> dict[str, Any]:
     """Which training examples made the model predict this, for new queries, from an existing run's index."""
     from prefect.runtime import flow_run
 
     run = RunStore(output_url=run_url, storage=storage)
     output = RunStore(output_url=output_url or run.url(f"questions/{flow_run.get_name() or 'local'}"), storage=storage)
-    answer = answer_question(run, queries, top_k, output)
-    print(f"{answer['queries']} queries answered from {run_url}'s index: {answer['work']['gradient_rows']} gradient rows (the queries'); the answer is in {answer['answer']}")
+    answer = answer_question(run, queries, top_k, output, search)
+    how = "an exact scan" if search.kind == "scan" else f"its FAISS {answer['search']['index']} index ({'built now' if answer['search']['built'] else 'kept from an earlier question'})"
+    print(f"{answer['queries']} queries answered from {run_url}'s index by {how}: {answer['work']['gradient_rows']} gradient rows (the queries'); the answer is in {answer['answer']}")
     return answer

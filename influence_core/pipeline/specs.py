@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 import torch
 from torch import nn
 
-from .score.knn_prefilter import resolve_module
+from .score.knn_prefilter import IndexKind, resolve_module
 from .sources.dotted import DOTTED, make_from
 from ..errors import ConfigError
 from .model.losses import LossName
@@ -667,6 +667,27 @@ class CandidatesSpec(Spec):
         """An unknown `module` fails here, before anything runs (module names depend only on the architecture)."""
         if self.knn_k is not None:
             resolve_module(model.build(1, 1), self.module)
+
+
+class SearchSpec(Spec):
+    """How a question against a run's training index finds each query's top-k."""
+
+    model_config = ConfigDict(title="Search")
+
+    kind: Literal["scan", "faiss"] = Field(
+        "scan", title="Search",
+        description="scan: every row of the run's index scored (exact). faiss: a FAISS inner-product index over the index's rows (built by the first such "
+        "question, kept beside the index for later ones) gives each query's candidates, which are then scored exactly, for indexes too large to scan per question.",
+    )
+    index: IndexKind = Field("auto", title="FAISS index", description="flat (exact), ivf or hnsw (approximate, for large indexes); auto: flat up to 100,000 training examples, ivf above.")
+    nprobe: int | None = Field(None, ge=1, title="IVF lists probed", description="Lists an ivf index searches per query: more is slower and finds more of the exact top-k. Empty: 1/16 of the lists, at least 8.")
+
+    @model_validator(mode="after")
+    def _nprobe_needs_ivf(self) -> "SearchSpec":
+        if self.nprobe is not None and (self.kind != "faiss" or self.index in ("flat", "hnsw")):
+            searched = "the exact scan" if self.kind != "faiss" else f"a {self.index} index"
+            raise ConfigError("search.nprobe", f"nprobe={self.nprobe} applies to an ivf index, not to {searched}", "leave nprobe out, or search with faiss over an ivf (or auto) index")
+        return self
 
 
 # -- storage -----------------------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """FastIF's candidate prefilter (Guo et al., 2021): the activations of one module as features, a FAISS index over
-the training examples' features, and each query's k nearest training examples as the only ones it scores."""
+the training examples' features, and each query's k nearest training examples as the only ones it scores.
+
+The index builder and its search serve the question's inner-product search too (`faiss_search.py`): the metric is
+L2 here, inner product there."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -20,8 +23,10 @@ if TYPE_CHECKING:  # faiss loads when an index is built, so reading a config nev
     from ...methods import InfluenceFunctionModel
 
 IndexKind = Literal["auto", "flat", "ivf", "hnsw"]
+Metric = Literal["l2", "ip"]  # nearest by Euclidean distance, or largest inner product
 FLAT_MAX_ROWS = 100_000  # auto: exact search up to this many training examples, IVF above
 HNSW_NEIGHBOURS = 32
+IVF_POINTS_PER_LIST = 64  # IVF's k-means trains on at most this many rows per list (FAISS's 256 trains a 1M-row index on every row: half an hour on 2 cores)
 
 
 def resolve_module(model: nn.Module, name: str | None) -> tuple[nn.Module, bool]:
@@ -68,41 +73,54 @@ def index_kind(n_train: int, kind: IndexKind = "auto") -> str:
     return ("flat" if n_train <= FLAT_MAX_ROWS else "ivf") if kind == "auto" else kind
 
 
-def build_index(features: np.ndarray, kind: IndexKind = "auto", threads: int = 1) -> faiss.Index:
-    """A FAISS L2 index over the training features: exact (flat), inverted lists (IVF, 4·√n lists), or HNSW
-    (built on one thread, since a parallel HNSW build depends on thread timing)."""
+def index_params(n_train: int, kind: IndexKind = "auto") -> dict[str, Any]:
+    """The index `build_index` makes over n_train rows: its kind (auto resolved) and what fixes its structure (IVF's
+    4·√n lists, at most one per 39 rows as FAISS wants, and its k-means sample; HNSW's neighbours per node)."""
+    chosen = index_kind(n_train, kind)
+    if chosen == "flat":
+        return {"kind": "flat"}
+    if chosen == "ivf":
+        return {"kind": "ivf", "nlist": max(1, min(int(4 * math.sqrt(n_train)), n_train // 39)), "train_points_per_list": IVF_POINTS_PER_LIST}
+    if chosen == "hnsw":
+        return {"kind": "hnsw", "neighbours": HNSW_NEIGHBOURS}
+    raise ConfigError("candidates.index", f"unknown index {kind!r}", "use auto, flat, ivf or hnsw")
+
+
+def build_index(features: np.ndarray, kind: IndexKind = "auto", threads: int = 1, metric: Metric = "l2") -> faiss.Index:
+    """A FAISS index over the training features, by L2 distance or inner product: exact (flat), inverted lists (IVF),
+    or HNSW (built on one thread, since a parallel HNSW build depends on thread timing); see `index_params`."""
     import faiss
 
     previous = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1 if index_kind(len(features), kind) == "hnsw" else threads)
     try:
-        return _build(np.ascontiguousarray(features, dtype=np.float32), kind)
+        return _build(np.ascontiguousarray(features, dtype=np.float32), kind, metric)
     finally:
         faiss.omp_set_num_threads(previous)
 
 
-def _build(features: np.ndarray, kind: IndexKind) -> faiss.Index:
+def _build(features: np.ndarray, kind: IndexKind, metric: Metric) -> faiss.Index:
     import faiss
 
     n, d = features.shape
-    chosen = index_kind(n, kind)
-    if chosen == "flat":
-        index = faiss.IndexFlatL2(d)
-    elif chosen == "hnsw":
-        index = faiss.IndexHNSWFlat(d, HNSW_NEIGHBOURS)
-    elif chosen == "ivf":
-        nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))  # FAISS wants about 39 training points per list
-        index = faiss.IndexIVFFlat(faiss.IndexFlatL2(d), d, nlist)
-        index.train(features)
+    params = index_params(n, kind)
+    measure = faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
+    if params["kind"] == "flat":
+        index = faiss.IndexFlat(d, measure)
+    elif params["kind"] == "hnsw":
+        index = faiss.IndexHNSWFlat(d, params["neighbours"], measure)
     else:
-        raise ConfigError("candidates.index", f"unknown index {kind!r}", "use auto, flat, ivf or hnsw")
+        index = faiss.IndexIVFFlat(faiss.IndexFlat(d, measure), d, params["nlist"], measure)
+        index.cp.max_points_per_centroid = params["train_points_per_list"]
+        index.train(features)
     index.add(features)
     return index
 
 
 def nearest(index: faiss.Index, queries: np.ndarray, k: int, nprobe: int | None = None) -> np.ndarray:
-    """Indices (n_queries, k) int64 of each query's k nearest training examples, nearest first; always k valid,
-    distinct indices (an approximate index that returns fewer is searched again exhaustively for that query).
+    """Indices (n_queries, k) int64 of each query's k nearest training examples by the index's metric, nearest first;
+    always k valid, distinct indices (an approximate index that returns fewer is searched again exhaustively for that
+    query).
     IVF probes `nprobe` lists (default: enough to hold about 2k examples, at least 8)."""
     import faiss
 
@@ -115,7 +133,7 @@ def nearest(index: faiss.Index, queries: np.ndarray, k: int, nprobe: int | None 
     _, found = index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
     short = np.flatnonzero((found < 0).any(axis=1))
     if short.size:  # approximate search came back with fewer than k: exact search for those queries
-        exact = faiss.IndexFlatL2(index.d)
+        exact = faiss.IndexFlat(index.d, index.metric_type)
         exact.add(index.reconstruct_n(0, index.ntotal) if not isinstance(index, faiss.IndexIVF) else _ivf_vectors(index))
         _, found[short] = exact.search(np.ascontiguousarray(queries[short], dtype=np.float32), k)
     return found.astype(np.int64)

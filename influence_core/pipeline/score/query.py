@@ -3,7 +3,9 @@
 Everything but the queries comes from the run's store: its model, its curvature and its training index (the stage
 refs `influence.zarr` records). The queries' factors are solved here, then the index is streamed chunk by chunk, one
 GEMM each, keeping each query's running top-k helpful and harmful examples, so memory is bounded by one chunk and
-the answer holds (n_queries, k) arrays, never (n_queries, n_train).
+the answer holds (n_queries, k) arrays, never (n_queries, n_train). With `search.kind: faiss`, a FAISS
+inner-product index over the stored rows (`faiss_search.py`) gives each query's candidates instead of the scan, and
+the candidates are scored as the scan scores them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ...errors import ConfigError
 from ...work import Work
 from ...objective import Objective
 from ..sources.data import check_block
+from . import faiss_search
 from .layout import DIMENSIONS
 from ..model.models import check_queries, probe_forward
 from ..store.loading import index_projection, load_influence_model, open_data
@@ -28,7 +31,7 @@ from ..store.publish import read_attrs, stored_refs, task_decode
 from ..store.refs import DataRef, IndexRef, ModelRef
 from ..report.report import QueryRow, topk_rows
 from ..store.run_store import RunStore
-from ..specs import MethodSpec, ModelSpec
+from ..specs import MethodSpec, ModelSpec, SearchSpec
 
 TOPK = ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores")
 
@@ -41,6 +44,7 @@ class Answer:
     work: Work = field(default_factory=Work)
     config: dict[str, Any] = field(default_factory=dict)  # the run's recorded parameters
     data: DataRef | None = None  # the run's data (its training labels name the examples)
+    search: dict[str, Any] = field(default_factory=lambda: {"kind": "scan"})  # how the top-k was found (`faiss_search.describe`)
 
     def rows(self, y_train: Any, x: Any, y: np.ndarray, decode: Any, n_show: int) -> list[QueryRow]:
         return topk_rows(self.arrays, y_train, y, len(y), n_show, x, decode)
@@ -62,9 +66,32 @@ def run_index(store: RunStore) -> tuple[dict[str, Any], ModelRef, Any, IndexRef,
     return attrs["config"], model, refs["fit_preconditioner"], index, data
 
 
-def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu") -> Answer:
+def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu", search: SearchSpec | None = None) -> Answer:
     """The top-k of queries (x, y) against the run at `store`: factors solved from its curvature, scores streamed over
-    its training index."""
+    its training index (or its FAISS index's candidates scored, with `search.kind: faiss`)."""
+    search = search or SearchSpec()
+    asked = solve(store, x, y, top_k, device)
+    if search.kind == "faiss":
+        arrays, described = faiss_top_k(asked.index, asked.factors, top_k, search, store.options, asked.work)
+        return Answer(arrays, asked.work, asked.config, asked.data, described)
+    return Answer(scan_top_k(asked.index, asked.factors, top_k, store.options, asked.work), asked.work, asked.config, asked.data)
+
+
+@dataclass
+class Question:
+    """Queries solved against a run: their factors in its index's coordinates, the run's config, index and data, and
+    the work so far."""
+
+    factors: torch.Tensor
+    config: dict[str, Any]
+    index: IndexRef
+    data: DataRef
+    work: Work
+
+
+def solve(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu") -> Question:
+    """The factors of queries (x, y) from the run's model and curvature, projected as its index is (LoGra); refused
+    in one line when the queries or top_k do not fit the run."""
     config, model, curvature, index, data = run_index(store)
     if top_k > data.n_train:
         raise ConfigError("--top", f"{top_k} exceeds the run's {data.n_train} training examples", f"give --top {data.n_train} or less")
@@ -75,9 +102,13 @@ def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cp
     factors = im.influence_factors(xq, yq)
     if index.compression == "logra":
         factors = index_projection(im, data, store.options, index.side or 0).factors(factors)
-    work = im.work.copy()
-    features = storage.open_array(index.array("features"), store.options)
-    best = _Running(len(yq), top_k)
+    return Question(factors, config, index, data, im.work.copy())
+
+
+def scan_top_k(index: IndexRef, factors: torch.Tensor, top_k: int, options: dict[str, Any], work: Work) -> dict[str, np.ndarray]:
+    """Each query's exact top-k: every row of the index scored, a chunk at a time (one GEMM each)."""
+    features = storage.open_array(index.array("features"), options)
+    best = _Running(len(factors), top_k)
     step = features.chunks[0]
     for lo in range(0, features.shape[0], step):
         block = np.asarray(features[lo : lo + step])
@@ -85,7 +116,31 @@ def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cp
         work.index_bytes += block.nbytes
         work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
         best.add((factors @ torch.from_numpy(block).to(device=factors.device, dtype=factors.dtype).T).float(), lo)
-    return Answer(best.arrays(), work, config, data)
+    return best.arrays()
+
+
+QUERY_BLOCK = 1024  # queries whose candidates' vectors are read back and scored at once
+
+
+def faiss_top_k(index: IndexRef, factors: torch.Tensor, top_k: int, search: SearchSpec, options: dict[str, Any], work: Work) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Each query's top-k among its FAISS candidates (top_k + TIE_MARGIN a side), scored as the scan scores them: the
+    query factors times the rows' stored vectors. With a flat index the answer is the scan's; the search as recorded."""
+    found = faiss_search.open_index(index, search, options, torch.get_num_threads())
+    if found.built:  # the build read the whole index once
+        work.index_rows += found.index.ntotal
+        work.index_bytes += found.index.ntotal * index.bytes_per_row
+    wide = min(found.index.ntotal, top_k + TIE_MARGIN)
+    parts = []
+    for lo in range(0, len(factors), QUERY_BLOCK):
+        block = factors[lo : lo + QUERY_BLOCK]
+        best = _Running(len(block), top_k)
+        sides = faiss_search.candidates(found, block.float().cpu().numpy(), wide, search.nprobe)
+        for rows, largest in zip((np.sort(side, axis=1) for side in sides), (True, False)):  # rows in index order: ties go to the lower index, as in the scan
+            vectors = torch.from_numpy(faiss_search.vectors(found, rows)).to(device=factors.device, dtype=factors.dtype)
+            best.offer((vectors @ block.unsqueeze(-1)).squeeze(-1).float(), torch.from_numpy(rows), largest)
+            work.score_flops += 2.0 * rows.size * factors.shape[1]
+        parts.append(best.arrays())
+    return {name: np.concatenate([part[name] for part in parts]) for name in TOPK}, faiss_search.describe(found, wide)
 
 
 def check_question(spec: ModelSpec, data: DataRef, objective: Objective, x: Any, y: np.ndarray) -> None:
@@ -115,9 +170,17 @@ class _Running:
         self.top, self.bottom = empty, empty
 
     def add(self, scores: torch.Tensor, offset: int) -> None:
+        """Every query's scores of the training rows offset, offset + 1, ...: a chunk of the index."""
         indices = torch.arange(offset, offset + scores.shape[1]).expand_as(scores)
-        self.top = self._keep(self.top, scores, indices, largest=True)
-        self.bottom = self._keep(self.bottom, scores, indices, largest=False)
+        self.offer(scores, indices, largest=True)
+        self.offer(scores, indices, largest=False)
+
+    def offer(self, scores: torch.Tensor, indices: torch.Tensor, largest: bool) -> None:
+        """Each query's scores of its training rows `indices` (in index order), for its k largest (or smallest)."""
+        if largest:
+            self.top = self._keep(self.top, scores, indices, largest=True)
+        else:
+            self.bottom = self._keep(self.bottom, scores, indices, largest=False)
 
     def _keep(self, kept: tuple[torch.Tensor, torch.Tensor], scores: torch.Tensor, indices: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
         scores, indices = self._candidates(scores, indices, largest)
@@ -146,19 +209,21 @@ class _Running:
 
 
 def write_answer(url: str, answer: Answer, run_url: str, options: dict[str, Any]) -> None:
-    """The answer as a Zarr v3 group of the top-k arrays (the run's output layout), naming the run it asked."""
+    """The answer as a Zarr v3 group of the top-k arrays (the run's output layout), naming the run it asked and how
+    the top-k was found."""
     group = storage.open_group(url, options, mode="w")
     for name in TOPK:
         group.create_array(name, data=answer.arrays[name], dimension_names=DIMENSIONS[name])
     group.create_array("argmax", data=answer.arrays["topk_helpful_indices"][:, 0], dimension_names=DIMENSIONS["argmax"])
-    group.attrs.update({"status": "complete", "run": run_url, "work": answer.work.as_dict()})
+    group.attrs.update({"status": "complete", "run": run_url, "work": answer.work.as_dict(), "search": answer.search})
 
 
-def ask(store: RunStore, queries: str, top_k: int, output: RunStore | None = None) -> tuple[Answer, list[QueryRow], str]:
-    """The whole question: the queries of the .npz file `queries` answered from the run at `store`, written under
-    `output` when given. Returns the answer, its top-k rows (labels read as the run's task reads them) and the method."""
+def ask(store: RunStore, queries: str, top_k: int, output: RunStore | None = None, search: SearchSpec | None = None) -> tuple[Answer, list[QueryRow], str]:
+    """The whole question: the queries of the .npz file `queries` answered from the run at `store` (by `search`),
+    written under `output` when given. Returns the answer, its top-k rows (labels read as the run's task reads them)
+    and the method."""
     x, y = query_arrays(queries, store.options)
-    found = answer(store, x, y, top_k)
+    found = answer(store, x, y, top_k, search=search)
     config, data = found.config, found.data
     assert data is not None
     if output is not None:
