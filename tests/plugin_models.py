@@ -22,11 +22,13 @@ class Logits(nn.Module):
         return self.model(input_ids=ids.long()).logits
 
 
-def gpt2_lm(n_layer: int = 2, n_embd: int = 64, n_head: int = 2, vocab_size: int = 256, n_positions: int = 32) -> nn.Module:
-    """transformers' GPT-2 (Conv1D projections, lm_head tied to the token embedding), random weights: no download."""
+def gpt2_lm(n_layer: int = 2, n_embd: int = 64, n_head: int = 2, vocab_size: int = 256, n_positions: int = 32, dropout: float = 0.1) -> nn.Module:
+    """transformers' GPT-2 (Conv1D projections, lm_head tied to the token embedding), random weights: no download.
+    `dropout`: GPT-2's embedding, attention and residual dropout (its default 0.1)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions, bos_token_id=0, eos_token_id=0,
+                        embd_pdrop=dropout, attn_pdrop=dropout, resid_pdrop=dropout)
     return Logits(GPT2LMHeadModel(config))
 
 
