@@ -52,6 +52,11 @@ class Projector(ABC):
     def project_matrices(self, layer: TrackedLayer, index: int, matrices: torch.Tensor) -> torch.Tensor:
         """Project gradient matrices (n, out, in) of layer number `index`."""
 
+    @abstractmethod
+    def back_project(self, layer: TrackedLayer, index: int, rows: torch.Tensor) -> torch.Tensor:
+        """Φ_lᵀ rows: rows (m, dim) of layer number `index` as matrices (m, out, in), so ⟨row, Φ_l G⟩ = ⟨Φ_lᵀ row, G⟩
+        for any gradient matrix G, one position's included (a projected score split by token)."""
+
 
 class RandomProjector(Projector):
     """Φ_l (dim × p_l) with i.i.d. Gaussian or Rademacher entries, built in column blocks of at most
@@ -72,6 +77,12 @@ class RandomProjector(Projector):
             hi = min(lo + step, flat.shape[1])
             out += flat[:, lo:hi] @ draw(self.kind, self.dim, hi - lo, [self.seed, index, j], flat.dtype, flat.device).T
         return out
+
+    def back_project(self, layer: TrackedLayer, index: int, rows: torch.Tensor) -> torch.Tensor:
+        size = layer.out_dim * layer.in_dim
+        step = self.block_columns()
+        blocks = [rows @ draw(self.kind, self.dim, min(lo + step, size) - lo, [self.seed, index, j], rows.dtype, rows.device) for j, lo in enumerate(range(0, size, step))]
+        return torch.cat(blocks, dim=1).reshape(len(rows), layer.out_dim, layer.in_dim)
 
 
 class KroneckerProjector(Projector):
@@ -103,6 +114,10 @@ class KroneckerProjector(Projector):
         phi_out, phi_in = self.factors(layer, index, matrices)
         return (phi_out @ matrices @ phi_in.T).reshape(matrices.shape[0], -1)
 
+    def back_project(self, layer: TrackedLayer, index: int, rows: torch.Tensor) -> torch.Tensor:
+        phi_out, phi_in = self.factors(layer, index, rows)
+        return phi_out.T @ rows.reshape(len(rows), self.side, self.side) @ phi_in
+
 
 @dataclass(frozen=True)
 class Projection:
@@ -125,3 +140,15 @@ class Projection:
 def project_batch(projector: Projector, cap: Capture) -> torch.Tensor:
     """All tracked layers' projected gradients of one captured batch, concatenated in layer order."""
     return torch.cat([projector.project_capture(layer, i, cap) for i, layer in enumerate(projector.layers)], dim=1)
+
+
+def projected_rows(projector: Projector, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Projected query factors (m, Σ dims, layer order as `project_batch`) back in each layer's gradient space
+    (m, out, in): contracted with a training example's captures position by position, they split its projected score
+    by token exactly, since the projection is linear in the gradient Σ_t g_t a_tᵀ."""
+    rows, lo = {}, 0
+    for i, layer in enumerate(projector.layers):
+        dim = projector.layer_dim(layer)
+        rows[layer.name] = projector.back_project(layer, i, factors[:, lo : lo + dim])
+        lo += dim
+    return rows

@@ -21,13 +21,13 @@ from torch import nn
 from .. import examples
 from ..batches import Batches, Data, as_batches
 from ..blocks import BlockCurvature, BlockStructure, Regularization, block_regularization, layer_blocks, make_blocks
-from ..contraction import Batch, GradientSplit, RowOrder, Rows, compress_rows, contract, gradient_batch, materialise
+from ..contraction import Batch, GradientSplit, LayerRows, RowOrder, Rows, compress_rows, contract, gradient_batch, materialise
 from ..curvature import CurvatureOperator, SecondOrderMode
 from ..errors import ConfigError
 from ..layers import module_param_names, select_layers
 from ..spectral import hutchinson_trace, lanczos, nystroem
 from ..objective import Objective
-from ..projection import Projection, Projector, project_batch
+from ..projection import Projection, Projector, project_batch, projected_rows
 from ..self_influence import SelfInfluenceMode, SelfInfluencePlan, Sketch, Solve, auto_rank, eigen_sketch
 from ..task import LossFn, Task, resolve_task
 from .feature_covariance import FeatureCovariance
@@ -285,14 +285,18 @@ class InfluenceFunctionModel(ABC):
         return contract(self._basis_rows(), batch, self.objective.work).T
 
     def check_per_token(self) -> None:
-        """Refuse per-token scores where an example's gradient has lost its positions: a projection of it, or
-        parameters on vmap per-sample gradients."""
-        if self.projector is not None:
-            raise ConfigError("per_token", f"{self.name} projects each example's gradient summed over its positions", "score per token without a projection (method.projection: null)")
+        """Refuse per-token scores where an example's gradient has lost its positions: parameters on vmap per-sample
+        gradients."""
         rest = [] if self._split is None or self._split.rest is None else self._split.rest.space.names
         if rest:
             shown = ", ".join(rest[:3]) + (", ..." if len(rest) > 3 else "")
             raise ConfigError("per_token", f"parameters {shown} take vmap per-sample gradients, which have no positions", "attribute only Linear/Conv1D/Embedding layers (method.modules), or use kfac/ekfac, which track only those")
+
+    def projected_token_rows(self, factors: torch.Tensor) -> Rows:
+        """Projected factors (m, p') as rows in the captures' coordinates, Φᵀ f per layer: contracted position by
+        position they split each projected score by token exactly (the projection is linear in Σ_t g_t a_tᵀ)."""
+        assert self.projector is not None
+        return Rows({name: LayerRows(dense=rows) for name, rows in projected_rows(self.projector, factors).items()}, None, len(factors))
 
     def token_features(self, batch: Batch) -> torch.Tensor:
         """Per-position features (p', n, T) of a method with a basis: its rows contracted before the sum over

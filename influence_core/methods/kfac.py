@@ -291,6 +291,16 @@ class KfacInfluence(InfluenceFunctionModel):
             parts.append(torch.cat([self.projector.project_matrices(layer, i, solver.whiten(a[sl], g[sl])) for sl in row_slices(batch.n, layer, a.element_size())]))  # type: ignore[attr-defined]
         return torch.cat(parts, dim=1)
 
+    def projected_token_rows(self, factors: torch.Tensor) -> Rows:
+        """Φᵀ f whitened once more, (F + λI)^(-1/2) ∘ Φᵀ f in the eigenbasis: the adjoint of the training side's
+        whiten-then-project, met with each position's rotated captures."""
+        rows = super().projected_token_rows(factors)
+        for layer in self.layers:
+            dense = rows.layers[layer.name].dense
+            assert dense is not None
+            rows.layers[layer.name] = LayerRows(dense=dense / self.solvers[layer.block].damped(dense.dtype).sqrt())  # type: ignore[attr-defined]
+        return rows
+
     def _dense_factors(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """With a projection the factors are the queries' projected whitened gradients (the split is symmetric)."""
         return self.gradient_features(x, y, measure=True) if self.projector is not None else super()._dense_factors(x, y)

@@ -13,6 +13,7 @@ import torch
 
 from .. import examples
 from ..contraction import Batch, GradientSplit, RowOrder, Rows, contract, factor_rows, weighted_squares
+from ..projection import Projector
 from ..self_influence import Diagonal, SelfInfluencePlan, Sketch, Solve
 from ..work import Work
 
@@ -22,6 +23,7 @@ class ScoredModel(Protocol):
     scorer depends on an interface and the model on the scorer, not both on each other."""
 
     batch_size: int
+    projector: Projector | None
     row_order: RowOrder
     query_rank: int | None
     _split: GradientSplit | None
@@ -44,6 +46,8 @@ class ScoredModel(Protocol):
     def check_per_token(self) -> None: ...
 
     def token_features(self, batch: Batch) -> torch.Tensor: ...
+
+    def projected_token_rows(self, factors: torch.Tensor) -> Rows: ...
 
     def block_norms(self, batch: Batch, features: torch.Tensor | None) -> torch.Tensor: ...
 
@@ -117,11 +121,16 @@ class Scorer:
 
     def _token_scores(self, batch: Batch) -> torch.Tensor:
         """Scores per training position (n_queries, n, T): the contraction before its sum over positions, with the
-        query rows, or with a basis's rows and then the factors."""
+        query rows, with projected factors mapped back to the gradients' space, or with a basis's rows and then the
+        factors."""
         self.im.check_per_token()
         if self.im.contracts():
             return contract(self.rows(), batch, self.im.work, per_token=True)
         assert self.factors is not None
+        if self.im.projector is not None:
+            if self._rows is None:
+                self._rows = self.im.projected_token_rows(self.factors)
+            return contract(self._rows, batch, self.im.work, per_token=True)
         features = self.im.token_features(batch)  # (p', n, T)
         self.im.work.score_flops += 2.0 * self.factors.shape[0] * features.numel()
         return torch.einsum("mk,knt->mnt", self.factors.to(features.dtype), features)

@@ -11,6 +11,7 @@ import torch
 from flows.influence_run import influence_run
 from influence_core import EkfacInfluence
 from influence_core.errors import ConfigError
+from influence_core.projection import Projection
 from influence_core.pipeline.store.publish import read_run
 from influence_core.pipeline.report.verify import verify_run
 from influence_core.task import LanguageModelling
@@ -21,11 +22,12 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 QUERIES = ["Return a| list", "Compile a| regular expression"]
 
 
-def test_top_k_token_scores_equal_the_library_and_sum_to_the_scores(tmp_path):
+@pytest.mark.parametrize("projection", [None, {"kind": "logra", "dim": 16}], ids=["ekfac", "ekfac+logra"])
+def test_top_k_token_scores_equal_the_library_and_sum_to_the_scores(tmp_path, projection):
     params = small_params(
         str(tmp_path / "text"), dataset={"source": "python_docs", "window": 32, "n_train": 64, "queries": QUERIES, "chunk_rows": 32},
         model={"architecture": "transformer", "task": "language_modelling", "d_model": 16, "heads": 2, "layers": 1},
-        training={"epochs": 2, "learning_rate": 3e-3}, method={"name": "ekfac", "regularization": 1e-2, "fisher": "sampled", "batch_size": 64},
+        training={"epochs": 2, "learning_rate": 3e-3}, method={"name": "ekfac", "regularization": 1e-2, "fisher": "sampled", "batch_size": 64, "projection": projection},
         aggregate={"top_k": 3, "report_queries": 2, "token_scores": True},
     )
     influence_run(**params.sections())
@@ -33,7 +35,7 @@ def test_top_k_token_scores_equal_the_library_and_sum_to_the_scores(tmp_path):
     group, arrays = read_outputs(store)
     model, data = stored_model_and_data(store, group)
     train = (data["x_train"], data["y_train"])
-    library = EkfacInfluence(model, LanguageModelling(), 1e-2, fisher="sampled", batch_size=64).fit(train).influences(data["x_test"], data["y_test"], *train, per_token=True)
+    library = EkfacInfluence(model, LanguageModelling(), 1e-2, fisher="sampled", batch_size=64, projection=projection and Projection(**projection)).fit(train).influences(data["x_test"], data["y_test"], *train, per_token=True)
     scale = float(np.abs(library.numpy()).max())
     for kind in ("helpful", "harmful"):
         stored, indices = arrays[f"topk_{kind}_token_scores"], arrays[f"topk_{kind}_indices"]
