@@ -115,10 +115,11 @@ class IndexProjection:
         parts = []
         for index, cut in enumerate(self.split.cuts):
             shares = batch.shares(cut.name)
+            capture = shares[0] if len(shares) == 1 and shares[0][0].is_floating_point() else None  # one float input
             if cut.name in self.damped:
-                parts.append(self._whitened_training(index, cut, batch))
-            elif len(shares) == 1 and shares[0][0].is_floating_point():
-                a, g = shares[0]
+                parts.append(self._whitened_training(index, cut, batch, capture))
+            elif capture is not None:
+                a, g = capture
                 phi_out, phi_in = self._factors(index, cut, a)
                 parts.append(outer_gradients(g @ phi_out.T, a @ phi_in.T).reshape(batch.n, -1))
             else:
@@ -127,12 +128,11 @@ class IndexProjection:
             parts.append(batch.rest)
         return torch.cat(parts, dim=1)
 
-    def _whitened_training(self, index: int, cut: LayerCut, batch: Batch) -> torch.Tensor:
-        """(n, k_out·k_in): Φ_out (G ∘ D^(-1/2)) Φ_inᵀ, from the captures through W's factors where that is cheaper,
-        else from the formed gradient matrices."""
-        shares = batch.shares(cut.name)
-        if len(shares) == 1 and shares[0][0].is_floating_point():
-            a, g = shares[0]
+    def _whitened_training(self, index: int, cut: LayerCut, batch: Batch, capture: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """(n, k_out·k_in): Φ_out (G ∘ D^(-1/2)) Φ_inᵀ, from the cut's one float capture (a, g) through W's factors
+        where that is cheaper, else from the formed gradient matrices."""
+        if capture is not None:
+            a, g = capture
             left, right = self.whitening(cut)
             if factored_is_cheaper(len(left), cut.shape, self.sides(cut), a.shape[1]):
                 return factored_projection(a, g, self._factors(index, cut, a), (left.to(a), right.to(a)))
