@@ -5,17 +5,23 @@ A method whose features are the gradient itself (or its rotation into a curvatur
 both with Φ_out (k × out) and Φ_in (k × in), random orthonormal rows scaled by √(n/k), gives ⟨Φ_out F Φ_inᵀ, Φ_out G Φ_inᵀ⟩, an unbiased
 estimate of each layer's term in k² numbers per example instead of out·in. The training side is projected from the
 captures (Σ_t (Φ_out g_t)(Φ_in a_t)ᵀ), never forming a per-example gradient; a cut whose captures are not one float
-input (an embedding, a tied weight), or that is whitened first, is projected from its gradient matrices. The
-parameters outside the cuts (the vmapped rest: biases of normalisations and the like, few) are kept as they are.
+input (an embedding, a tied weight) is projected from its gradient matrices. A whitened cut, G ∘ W with W = D^(-1/2)
+elementwise (not a Kronecker product), is projected from the captures too, through W's truncated SVD Σ_r u_r v_rᵀ:
+Φ_out (G ∘ W) Φ_inᵀ = Σ_{r,t} (Φ_out diag(u_r) g_t)(Φ_in diag(v_r) a_t)ᵀ, R·T·k·(out + in) per example instead of
+out·in·k; R keeps every entry of W within `whitening_rtol` (so every whitened gradient within it, in Frobenius norm),
+and where that R makes it no cheaper, the matrices are formed. The parameters outside the cuts (the vmapped rest:
+biases of normalisations and the like, few) are kept as they are.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .contraction import Batch, GradientSplit, LayerCut, RowOrder, cut_gradients
+from .contraction import BUDGET_BYTES, Batch, GradientSplit, LayerCut, RowOrder, cut_gradients
 from .layers import outer_gradients
 from .projection import draw
+
+WHITENING_RTOL = 1e-3  # the largest relative error of an entry of the factored W = D^(-1/2)
 
 
 def orthogonal_rows(k: int, n: int, key: list[int]) -> torch.Tensor:
@@ -25,6 +31,50 @@ def orthogonal_rows(k: int, n: int, key: list[int]) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).T * (n / k) ** 0.5
 
 
+def whitening_factors(damped: torch.Tensor, rtol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """W = D^(-1/2) (out × in) as left (R, out) and right (R, in) in float64, Σ_r left_r right_rᵀ its SVD truncated to
+    a rank (bisected) whose every entry is within rtol of W's, relatively, so ‖G∘W̃ − G∘W‖ ≤ rtol ‖G∘W‖ for every G;
+    full rank where no smaller one is."""
+    w = damped.to(torch.float64).rsqrt()
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    left = (u * s).T
+    lo, hi = 0, len(s)  # rank lo misses rtol, rank hi keeps it (full rank: as exact as the SVD)
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        if ((left[:mid].T @ vh[:mid] - w).abs() <= rtol * w).all():
+            hi = mid
+        else:
+            lo = mid
+    return left[:hi], vh[:hi]
+
+
+def factored_is_cheaper(rank: int, shape: tuple[int, int], sides: tuple[int, int], positions: int) -> bool:
+    """Whether projecting G ∘ W from T captures through rank-R factors, R·T·(k_out·out + k_in·in + k_out·k_in)
+    multiply-adds per example, costs less than forming G, whitening and projecting it, out·in·(T + 1 + k_out) + k_out·k_in·in."""
+    (out, inp), (k_out, k_in) = shape, sides
+    return rank * positions * (k_out * out + k_in * inp + k_out * k_in) < out * inp * (positions + 1 + k_out) + k_out * k_in * inp
+
+
+def factored_projection(a: torch.Tensor, g: torch.Tensor, phi: tuple[torch.Tensor, torch.Tensor], whitening: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(n, k_out·k_in): Σ_{r,t} (Φ_out diag(u_r) g_t)(Φ_in diag(v_r) a_t)ᵀ per example, from captures a (n, T, in) and
+    g (n, T, out), Φ = (Φ_out, Φ_in) and W's factors (u (R, out), v (R, in)): the rows Φ diag(u_r) stacked a few ranks
+    at a time, examples in blocks, so neither the stacked rows nor the (T·R·(k_out + k_in)) intermediates pass BUDGET_BYTES."""
+    (phi_out, phi_in), (left, right) = phi, whitening
+    (n, positions, width), (k_out, height), k_in = a.shape, phi_out.shape, len(phi_in)
+    out = a.new_zeros(n, k_out, k_in)
+    ranks = max(1, BUDGET_BYTES // ((k_out * height + k_in * width) * a.element_size()))
+    for r in range(0, len(left), ranks):
+        stacked_out = (left[r : r + ranks, :, None] * phi_out.T).transpose(1, 2).reshape(-1, height)
+        stacked_in = (right[r : r + ranks, :, None] * phi_in.T).transpose(1, 2).reshape(-1, width)
+        rank = len(stacked_out) // k_out
+        step = max(1, BUDGET_BYTES // (positions * rank * (k_out + k_in) * a.element_size()))
+        for lo in range(0, n, step):
+            g_side = (g[lo : lo + step] @ stacked_out.T).reshape(-1, positions * rank, k_out)
+            a_side = (a[lo : lo + step] @ stacked_in.T).reshape(-1, positions * rank, k_in)
+            out[lo : lo + step] += outer_gradients(g_side, a_side)
+    return out.reshape(n, -1)
+
+
 class IndexProjection:
     """Φ_out ⊗ Φ_in of side at most `side` for every cut of a gradient split, seeded by (seed, cut number); the rest
     columns kept. `training` maps a captured batch and `factors` flat query factors to the same `dim` coordinates.
@@ -32,11 +82,14 @@ class IndexProjection:
     With `damped` (a curvature diagonal in the captures' basis per cut, K-FAC/EK-FAC's Λ + λ in its eigenbasis) both
     sides are whitened before projecting: G D^(-1/2) for training rows, F D^(1/2) for the factors F = G_q D⁻¹, so the
     projected inner product estimates ⟨G_q D^(-1/2), G_i D^(-1/2)⟩, the same score, from two vectors of like size;
-    projecting F and G themselves loses the score when D spans orders of magnitude."""
+    projecting F and G themselves loses the score when D spans orders of magnitude. The training side takes D^(-1/2)
+    through its truncated SVD (`whitening_factors`, within `whitening_rtol`) where that is cheaper."""
 
-    def __init__(self, split: GradientSplit, order: RowOrder, side: int, seed: int, damped: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, split: GradientSplit, order: RowOrder, side: int, seed: int, damped: dict[str, torch.Tensor] | None = None, whitening_rtol: float = WHITENING_RTOL) -> None:
         self.split, self.order, self.side, self.seed, self.damped = split, order, side, seed, damped or {}
+        self.whitening_rtol = whitening_rtol
         self._phi: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._whitening: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def sides(self, cut: LayerCut) -> tuple[int, int]:
         """k_out, k_in: `side`, or the matrix's own size when smaller (such a side is kept exactly, Φ = I)."""
@@ -62,10 +115,11 @@ class IndexProjection:
         parts = []
         for index, cut in enumerate(self.split.cuts):
             shares = batch.shares(cut.name)
+            capture = shares[0] if len(shares) == 1 and shares[0][0].is_floating_point() else None  # one float input
             if cut.name in self.damped:
-                parts.append(self._project(index, cut, cut_gradients(batch, cut) * self.damped[cut.name].to(batch.dtype).rsqrt()))
-            elif len(shares) == 1 and shares[0][0].is_floating_point():
-                a, g = shares[0]
+                parts.append(self._whitened_training(index, cut, batch, capture))
+            elif capture is not None:
+                a, g = capture
                 phi_out, phi_in = self._factors(index, cut, a)
                 parts.append(outer_gradients(g @ phi_out.T, a @ phi_in.T).reshape(batch.n, -1))
             else:
@@ -73,6 +127,22 @@ class IndexProjection:
         if batch.rest is not None:
             parts.append(batch.rest)
         return torch.cat(parts, dim=1)
+
+    def _whitened_training(self, index: int, cut: LayerCut, batch: Batch, capture: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """(n, k_out·k_in): Φ_out (G ∘ D^(-1/2)) Φ_inᵀ, from the cut's one float capture (a, g) through W's factors
+        where that is cheaper, else from the formed gradient matrices."""
+        if capture is not None:
+            a, g = capture
+            left, right = self.whitening(cut)
+            if factored_is_cheaper(len(left), cut.shape, self.sides(cut), a.shape[1]):
+                return factored_projection(a, g, self._factors(index, cut, a), (left.to(a), right.to(a)))
+        return self._project(index, cut, cut_gradients(batch, cut) * self.damped[cut.name].to(batch.dtype).rsqrt())
+
+    def whitening(self, cut: LayerCut) -> tuple[torch.Tensor, torch.Tensor]:
+        """A damped cut's `whitening_factors`, computed once."""
+        if cut.name not in self._whitening:
+            self._whitening[cut.name] = whitening_factors(self.damped[cut.name], self.whitening_rtol)
+        return self._whitening[cut.name]
 
     def factors(self, flat: torch.Tensor) -> torch.Tensor:
         """(m, dim): query factors (m, p) in the split's column layout, projected as the training side is."""

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from influence_core import DirectInfluence
-from influence_core.contraction import gradient_batch
-from influence_core.index_projection import IndexProjection, orthogonal_rows
+from influence_core.contraction import cut_gradients, gradient_batch
+from influence_core.index_projection import IndexProjection, factored_is_cheaper, factored_projection, orthogonal_rows, whitening_factors
 
 
 class TokensThenMlp(nn.Module):
@@ -91,3 +91,89 @@ def test_projected_scores_are_unbiased_over_seeds():
     mean = ((draws.mean(0) - exact) ** 2).sum()
     assert mean < one / 20, (float(mean), float(one))
     assert one > 1e-2 * (exact**2).sum()  # the projection does compress: one seed is not exact
+
+
+def _smooth_damped(out: int, inp: int, seed: int) -> torch.Tensor:
+    """A positive D (out × in) of rank 3 (not 1) like a damped K-FAC/EK-FAC diagonal: a Kronecker product of decaying
+    spectra, plus a second product with random inputs, plus λ."""
+    gen = torch.Generator().manual_seed(seed)
+    spectrum = lambda n: torch.logspace(0, -5, n, dtype=torch.float64)  # noqa: E731
+    second = torch.outer(spectrum(out).flip(0), torch.rand(inp, generator=gen, dtype=torch.float64))
+    return torch.outer(spectrum(out), spectrum(inp)) + 0.5 * second + 1e-3
+
+
+def _explicit(a: torch.Tensor, g: torch.Tensor, w: torch.Tensor, phi_out: torch.Tensor, phi_in: torch.Tensor) -> torch.Tensor:
+    """Φ_out (G ∘ W) Φ_inᵀ per example with G = Σ_t g_t a_tᵀ formed, flattened."""
+    return (phi_out @ (torch.einsum("bto,bti->boi", g, a) * w) @ phi_in.T).reshape(len(a), -1)
+
+
+def test_factored_whitening_is_the_explicit_projection():
+    """On a damped cut (T = 3 positions, a random positive D, not rank 1): at full rank the factored projection equals
+    Φ_out (G ∘ D^(-1/2)) Φ_inᵀ to 1e-10; at the rank `whitening_factors` picks for rtol 1e-3 (fewer), every entry of W
+    is within 1e-3, so is every whitened gradient, and the projected rows within ‖Φ_out‖‖Φ_in‖·1e-3·‖G ∘ W‖."""
+    gen = torch.Generator().manual_seed(1)
+    out, inp, k, positions, n = 30, 20, 5, 3, 7
+    a, g = torch.randn(n, positions, inp, generator=gen, dtype=torch.float64), torch.randn(n, positions, out, generator=gen, dtype=torch.float64)
+    phi_out, phi_in = orthogonal_rows(k, out, [0, 0, 0]), orthogonal_rows(k, inp, [0, 0, 1])
+    for damped in (0.1 + torch.rand(out, inp, generator=gen, dtype=torch.float64), _smooth_damped(out, inp, 2)):
+        w = damped.rsqrt()
+        expected = _explicit(a, g, w, phi_out, phi_in)
+        full = whitening_factors(damped, 0.0)
+        assert len(full[0]) == inp
+        torch.testing.assert_close(factored_projection(a, g, (phi_out, phi_in), full), expected, rtol=1e-10, atol=1e-10)
+    left, right = whitening_factors(damped, 1e-3)
+    assert 1 < len(left) < inp
+    w_r = left.T @ right
+    assert ((w_r - w).abs() <= 1e-3 * w).all()
+    whitened = torch.einsum("bto,bti->boi", g, a) * w
+    assert ((torch.einsum("bto,bti->boi", g, a) * w_r - whitened).flatten(1).norm(dim=1) <= 1e-3 * whitened.flatten(1).norm(dim=1)).all()
+    got = factored_projection(a, g, (phi_out, phi_in), (left, right))
+    torch.testing.assert_close(got, _explicit(a, g, w_r, phi_out, phi_in), rtol=1e-10, atol=1e-10)
+    bound = torch.linalg.matrix_norm(phi_out, 2) * torch.linalg.matrix_norm(phi_in, 2) * 1e-3 * whitened.flatten(1).norm(dim=1)
+    assert ((got - expected).norm(dim=1) <= bound).all()
+
+
+def test_factored_whitening_only_where_cheaper():
+    """The cost rule: W3's 1024 × 1025 layer at side 64 and one position is cheaper factored at rank 39, not at full rank."""
+    assert factored_is_cheaper(39, (1024, 1025), (64, 64), 1)
+    assert not factored_is_cheaper(1024, (1024, 1025), (64, 64), 1)
+    assert not factored_is_cheaper(20, (30, 20), (5, 5), 3)
+
+
+class Positions(nn.Module):
+    """A Linear over T = 3 positions (its captures (n, 3, in)), averaged, then a Linear classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(40, 50), nn.Linear(50, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(x)).mean(1))
+
+
+def test_training_rows_of_a_damped_cut_factored_or_formed():
+    """`training` on a damped cut (50 × 41, side 4, T = 3): with a smooth D its rank is small enough to factor, and the
+    rows are Φ_out (G ∘ W) Φ_inᵀ within the 1e-3 bound; with a random D (full rank needed, no cheaper) they are the
+    formed path's bit for bit; whitening_rtol 0 factors at full rank where that is cheaper, to 1e-10."""
+    torch.manual_seed(0)
+    model = Positions().double()
+    x, y = torch.randn(16, 3, 40, dtype=torch.float64), torch.randint(0, 3, (16,))
+    im = DirectInfluence(model, "cross_entropy", regularization=1e-2).fit((x, y))
+    split = im.gradient_split(x, y)
+    batch = gradient_batch(split, x, y, im.work)
+    cut = split.cuts[0]
+    grads = cut_gradients(batch, cut)
+    phi_out, phi_in = orthogonal_rows(4, 50, [0, 0, 0]), orthogonal_rows(4, 41, [0, 0, 1])
+    for damped, factored in ((_smooth_damped(50, 41, 3), True), (0.1 + torch.rand(50, 41, dtype=torch.float64), False)):
+        projection = IndexProjection(split, im.row_order, side=4, seed=0, damped={cut.name: damped})
+        rows = projection.training(batch)[:, :16]
+        rank = len(projection.whitening(cut)[0])
+        assert factored_is_cheaper(rank, cut.shape, (4, 4), 3) == factored, rank
+        whitened = grads * damped.rsqrt()
+        expected = (phi_out @ whitened @ phi_in.T).reshape(len(x), -1)
+        if factored:
+            bound = 50 / 4 * 1e-3 * whitened.flatten(1).norm(dim=1)  # ‖Φ_out‖₂‖Φ_in‖₂ = √(50/4)·√(41/4) < 50/4
+            assert ((rows - expected).norm(dim=1) <= bound).all()
+            assert not torch.allclose(rows, expected, rtol=1e-10, atol=0)  # truncated: not the explicit rows exactly
+        else:
+            assert torch.equal(rows, projection._project(0, cut, grads * damped.rsqrt()))
