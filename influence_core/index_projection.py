@@ -15,11 +15,17 @@ biases of normalisations and the like, few) are kept as they are.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
+from . import examples
 from .contraction import BUDGET_BYTES, Batch, GradientSplit, LayerCut, RowOrder, cut_gradients
 from .layers import outer_gradients
 from .projection import draw
+
+if TYPE_CHECKING:
+    from .methods.influence_model import InfluenceFunctionModel
 
 WHITENING_RTOL = 1e-3  # the largest relative error of an entry of the factored W = D^(-1/2)
 
@@ -150,6 +156,22 @@ class IndexProjection:
         if self.split.rest_columns is not None:
             parts.append(flat[:, self.split.rest_columns.to(flat.device)])
         return torch.cat(parts, dim=1)
+
+    @property
+    def whitened(self) -> bool:
+        """Every cut whitened and no rest columns: queries are projected from their captures (`queries`)."""
+        return self.split.rest_columns is None and not {cut.name for cut in self.split.cuts} - set(self.damped)
+
+    def queries(self, im: "InfluenceFunctionModel", x: Any, y: torch.Tensor) -> torch.Tensor:
+        """(m, dim): the query factors of (x, y) in the index's coordinates. A whitened method's factor F = G_q D⁻¹
+        projects as F D^(1/2) = G_q D^(-1/2), the training rows' own form, so when every cut is whitened (K-FAC,
+        EK-FAC, no rest) the queries are projected from their measurement's captures as the rows are, and no factor as
+        wide as the model is formed (nor compressed by method.query_rank: an index is never built with it); otherwise
+        the factors are solved, then projected."""
+        if not self.whitened:
+            return self.factors(im.influence_factors(x, y))
+        step = im.batch_size
+        return torch.cat([self.training(im.gradient_batch(examples.take(x, slice(lo, lo + step)), y[lo : lo + step], measure=True)) for lo in range(0, examples.count(x), step)])
 
     def _whitened(self, cut: LayerCut, factors: torch.Tensor) -> torch.Tensor:
         return factors * self.damped[cut.name].to(factors.dtype).sqrt() if cut.name in self.damped else factors

@@ -13,7 +13,7 @@ from influence_core.pipeline.runtime.cluster import dask_client
 from influence_core.pipeline.stages.preconditioner import PreconditionerInput
 from influence_core.pipeline.stages.prepare import PrepareInput
 from influence_core.pipeline.stages.query_factors import QueryFactorsInput
-from influence_core.pipeline.store.refs import IndexRef, ScoresRef, StageRef, ValidationRef
+from influence_core.pipeline.store.refs import FactorsRef, IndexRef, ScoresRef, StageRef, ValidationRef
 from influence_core.pipeline.score.score_input import Member, ScoringInput
 from influence_core.pipeline.specs import METHOD_CLASSES
 from influence_core.pipeline.stages.training import TrainingInput
@@ -47,8 +47,9 @@ def index_training(stage: IndexInput) -> IndexRef:
 
 
 @stage_task("compute_test_factors")
-def compute_test_factors(stage: QueryFactorsInput) -> StageRef:
-    """(C + λI)⁻¹ ∇ℓ for every query, once per run; LiSSA's repeats run on the cluster (FastIF's parallel s_test)."""
+def compute_test_factors(stage: QueryFactorsInput) -> FactorsRef:
+    """(C + λI)⁻¹ ∇ℓ for every query, once per run (in a compressed index's coordinates when given one); LiSSA's
+    repeats run on the cluster (FastIF's parallel s_test)."""
     compute = stage.compute
     factory = None if compute is None else (lambda: dask_client(compute, METHOD_CLASSES[stage.method.name].thread_safe))
     return query_factors.run(stage, client_factory=factory)

@@ -11,7 +11,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 from flows.influence_run import influence_run
-from influence_core.pipeline.stages import index
+from influence_core.pipeline.stages import index, query_factors
 from influence_core.pipeline.score import scoring
 from influence_core.pipeline.store import storage
 from influence_core.pipeline.runtime.cluster import dask_client
@@ -201,6 +201,28 @@ def test_an_index_over_budget_is_compressed_and_tracks_the_exact_scores(tmp_path
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(top(compressed["scores"]), top(exact["scores"]))])
     assert pearson >= pearson_floor and recall >= recall_floor, (pearson, recall)
     np.testing.assert_allclose(compressed["self_influence"], exact["self_influence"], rtol=1e-5, atol=1e-5 * np.abs(exact["self_influence"]).max())
+
+
+def test_whitened_query_factors_are_taken_in_the_compressed_index_s_coordinates(tmp_path):
+    """Given a compressed index, EK-FAC's compute_test_factors projects the queries from their captures (n_test × dim,
+    not n_test × p; coordinates "index"), and scoring over them gives the scores of the model-wide factors projected
+    at scoring: the same up to the whitening's 1e-3 truncation (atol 1e-4 of the largest score)."""
+    compute = {"cluster": "sequential", "train_chunk_rows": 64, "index_budget_gb": 1.5e-3, "index_side": 32}
+    params = small_params(str(tmp_path / "run"), compute=compute, method=METHODS["ekfac"], model={"hidden": [32]}, aggregate={"top_k": 10, "report_queries": 3})
+    store, data, model, curvature, flat = upstream(params)
+    factory = lambda: dask_client(params.compute, False)  # noqa: E731
+    train_index = index.run(index.IndexInput(params.method, params.aggregate, model, data, curvature, store, params.compute), factory)
+    taken = query_factors.run(query_factors.QueryFactorsInput(params.method, model, data, curvature, store, params.compute.torch_threads, params.compute, train_index))
+    assert flat.coordinates == "parameters" and taken.coordinates == "index" and taken.fingerprint != flat.fingerprint
+    assert flat.shape == (data.n_test, 64 * 32 + 32 + 33 * 10) and taken.shape == (data.n_test, 32 * 32 + 10 * 32)
+    scores = {}
+    for name, factors in (("flat", flat), ("taken", taken)):  # each into its own output
+        out = small_params(str(tmp_path / name)).store()
+        scoring.run(ScoringInput(params.compute, params.method, params.aggregate, model, data, curvature, factors, out, index=train_index), factory)
+        scores[name] = read_outputs(out)[1]["scores"]
+    scale = np.abs(scores["flat"]).max()
+    np.testing.assert_allclose(scores["taken"], scores["flat"], rtol=0, atol=1e-4 * scale)  # measured: 4.6e-6
+    assert not np.array_equal(scores["taken"], scores["flat"])
 
 
 def test_direct_over_budget_is_not_compressed(tmp_path):

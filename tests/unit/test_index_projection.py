@@ -3,10 +3,11 @@ per-example gradients: its rows are Φ_out G_i Φ_inᵀ, and with sides that kee
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from influence_core import DirectInfluence
+from influence_core import DirectInfluence, EkfacInfluence, KfacInfluence
 from influence_core.contraction import cut_gradients, gradient_batch
 from influence_core.index_projection import IndexProjection, factored_is_cheaper, factored_projection, orthogonal_rows, whitening_factors
 
@@ -177,3 +178,25 @@ def test_training_rows_of_a_damped_cut_factored_or_formed():
             assert not torch.allclose(rows, expected, rtol=1e-10, atol=0)  # truncated: not the explicit rows exactly
         else:
             assert torch.equal(rows, projection._project(0, cut, grads * damped.rsqrt()))
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_whitened_queries_from_their_captures_equal_the_projected_factors(kind):
+    """`queries` on K-FAC/EK-FAC (every cut whitened) projects the queries' measurement captures, G_q D^(-1/2), where
+    the solved factors F = G_q D⁻¹ project as F D^(1/2): the same rows (whitening_rtol 0: to 1e-10), on T = 3 positions
+    and side 4; a method without whitening (Direct) has its factors solved, then projected."""
+    torch.manual_seed(0)
+    model = Positions().double()
+    x, y = torch.randn(24, 3, 40, dtype=torch.float64), torch.randint(0, 3, (24,))
+    make = EkfacInfluence if kind == "ekfac" else KfacInfluence
+    im = make(model, "cross_entropy", 1e-2, fisher="exact", batch_size=8).fit((x, y))
+    damped = {layer.name: im.solvers[layer.block].damped(torch.float64) for layer in im.layers}
+    projection = IndexProjection(im.gradient_split(x, y), im.row_order, side=4, seed=0, damped=damped, whitening_rtol=0.0)
+    xq, yq = x[:10] + 0.3, y[:10]
+    solved = projection.factors(im.influence_factors(xq, yq))
+    rows = projection.queries(im, xq, yq)
+    assert rows.shape == (10, projection.dim)
+    torch.testing.assert_close(rows, solved, rtol=1e-10, atol=1e-12)
+    direct = DirectInfluence(model, "cross_entropy", regularization=1e-2).fit((x, y))
+    plain = IndexProjection(direct.gradient_split(x, y), direct.row_order, side=4, seed=0)
+    assert torch.equal(plain.queries(direct, xq, yq), plain.factors(direct.influence_factors(xq, yq)))

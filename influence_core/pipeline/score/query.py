@@ -99,9 +99,10 @@ def solve(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu
     im = load_influence_model(method, model, data, curvature, store.options, device)
     check_question(ModelSpec.model_validate(config["model"]), data, im.objective, x, y)
     xq, yq = im.objective.to_model(x, torch.as_tensor(y))
-    factors = im.influence_factors(xq, yq)
-    if index.compression == "logra":
-        factors = index_projection(im, data, store.options, index.side or 0).factors(factors)
+    if index.compression == "logra":  # a whitened method's queries straight from their captures
+        factors = index_projection(im, data, store.options, index.side or 0).queries(im, xq, yq)
+    else:
+        factors = im.influence_factors(xq, yq)
     return Question(factors, config, index, data, im.work.copy())
 
 

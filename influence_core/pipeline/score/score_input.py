@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .layout import ScoreLayout, score_layout
-from ..store.refs import DataRef, IndexRef, ModelRef, Ref, ScoresRef, StageRef
+from ..store.refs import DataRef, FactorsRef, IndexRef, ModelRef, Ref, ScoresRef, StageRef
 from ..store.run_store import RunStore
 from ..specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec
 from ..store.stage import StageCall, StageInput
@@ -24,7 +24,7 @@ class Member:
 
     model: ModelRef
     preconditioner: StageRef
-    factors: StageRef
+    factors: FactorsRef
     index: IndexRef | None = None
 
     def inputs(self, index: int) -> dict[str, Ref]:
@@ -48,7 +48,7 @@ class ScoringInput(StageInput[ScoresRef]):
     model: ModelRef
     data: DataRef
     preconditioner: StageRef
-    factors: StageRef
+    factors: FactorsRef
     store: RunStore
     candidates: CandidatesSpec | None = None
     others: tuple[Member, ...] = ()  # the ensemble's members 1.. (member 0 is model, preconditioner and factors)

@@ -134,7 +134,7 @@ class IndexScoreJob(ScoreJob):
         self-influences were computed once with the index: copied, never recomputed (how, as the index recorded it)."""
         for member, refs in enumerate(self.stage.members):
             assert refs.index is not None
-            if refs.index.compression == "logra" and not storage.exists(self.factors_url(member), self.options):
+            if _projects_factors(refs) and not storage.exists(self.factors_url(member), self.options):
                 stage = self.stage
                 im = load_influence_model(stage.method, refs.model, stage.data, refs.preconditioner, self.options, stage.compute.torch_device)
                 flat = torch.from_numpy(np.asarray(storage.open_array(refs.factors.url, self.options)[:])).to(im.objective.space.device)
@@ -157,6 +157,13 @@ class IndexScoreJob(ScoreJob):
             self_out[lo:hi] = values.astype(np.float32)
 
 
+def _projects_factors(member: Member) -> bool:
+    """Whether scoring projects the member's query factors into its compressed index's coordinates (else they are
+    stored in them, or the index is exact)."""
+    assert member.index is not None
+    return member.index.compression == "logra" and member.factors.coordinates != "index"
+
+
 def _group(index: IndexRef | None, options: dict) -> zarr.Group:
     assert index is not None
     return storage.open_group(index.url, options, mode="r")
@@ -175,7 +182,7 @@ class IndexScoreWorker:
     def _member(self, job: IndexScoreJob, index: int, member: Member) -> tuple[torch.Tensor, zarr.Array, zarr.Array | None]:
         group = _group(member.index, self.options)
         assert member.index is not None
-        if member.index.compression == "logra":
+        if _projects_factors(member):
             factors = load_state(job.factors_url(index), self.options, field="index_factors", device=self.device)["factors"]
         else:
             factors = torch.from_numpy(np.asarray(storage.open_array(member.factors.url, self.options)[:])).to(self.device)

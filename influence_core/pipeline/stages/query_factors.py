@@ -1,4 +1,5 @@
-"""Stage 4: the query factors (C + λI)⁻¹ ∇ℓ(z_test), computed once per run and stored."""
+"""Stage 4: the query factors (C + λI)⁻¹ ∇ℓ(z_test), computed once per run and stored; given a compressed training
+index, a whitened method's factors are taken straight into its coordinates (`IndexProjection.queries`)."""
 
 from __future__ import annotations
 
@@ -17,23 +18,24 @@ from ..store import storage
 from ... import examples
 from ...errors import ConfigError
 from ...methods import LissaInfluence
+from ...index_projection import IndexProjection
 from ...methods.influence_model import InfluenceFunctionModel
 from ...reduction import summed_tasks
-from ..store.refs import DataRef, ModelRef, StageRef
+from ..store.refs import DataRef, FactorsRef, IndexRef, ModelRef, StageRef
 from ..specs import ComputeSpec, MethodSpec
 from ..runtime.threads import TASK_THREADS, torch_threads
 from ...work import Work
 from ..score.layout import MIN_TASKS
-from ..store.loading import load_influence_model, open_data
+from ..store.loading import index_projection, load_influence_model, open_data
 from ..runtime.worker_logs import driver_logging, forwarded_library_logs, worker_library_logs
 from ..store.stage import StageCall, StageInput, StageLocation
 from ..store.run_store import RunStore
 
 
 @dataclass(frozen=True)
-class QueryFactorsInput(StageInput[StageRef]):
-    """The method and its fitted curvature, the model, the data, the torch threads, and where LiSSA's repeats run
-    (`compute`'s cluster; None: here)."""
+class QueryFactorsInput(StageInput[FactorsRef]):
+    """The method and its fitted curvature, the model, the data, the torch threads, where LiSSA's repeats run
+    (`compute`'s cluster; None: here), and the compressed training index whose coordinates the factors may take."""
 
     method: MethodSpec
     model: ModelRef
@@ -42,17 +44,21 @@ class QueryFactorsInput(StageInput[StageRef]):
     store: RunStore
     threads: int
     compute: ComputeSpec | None = None
+    index: IndexRef | None = None
 
     @property
     def device(self) -> str:
         """The torch device the factors are computed on (`compute.device`; the CPU without a compute spec)."""
         return "cpu" if self.compute is None else self.compute.torch_device
 
-    def plan(self) -> StageCall[StageRef]:
-        """The stage's key; where LiSSA's repeats run (compute) is not part of it: every cluster kind gives the same bits."""
+    def plan(self) -> StageCall[FactorsRef]:
+        """The stage's key (the index's only when given); where LiSSA's repeats run (compute) is not part of it: every
+        cluster kind gives the same bits."""
         # "curvature" names the preconditioner in stage keys and manifests already written: kept, so they still match
-        inputs = {"model": self.model, "data": self.data, "curvature": self.preconditioner}
-        return StageCall("compute_test_factors", StageRef, {"method": self.method.model_dump(mode="json")}, inputs, self.store, self.threads)
+        inputs: dict[str, Any] = {"model": self.model, "data": self.data, "curvature": self.preconditioner}
+        if self.index is not None:
+            inputs["index"] = self.index
+        return StageCall("compute_test_factors", FactorsRef, {"method": self.method.model_dump(mode="json")}, inputs, self.store, self.threads)
 
 
 FACTOR_CHUNK_BYTES = 16 * 2**20  # stored chunks of query rows: small enough that writer and readers reuse their buffers
@@ -165,6 +171,12 @@ def _blocks_here(im: InfluenceFunctionModel, x_test: Any, y_test: Any, spans: li
         yield lo, f.cpu().numpy(), Work()
 
 
+def _projected_here(im: InfluenceFunctionModel, projection: IndexProjection, x_test: Any, y_test: Any, spans: list[tuple[int, int]]) -> Iterator[tuple[int, np.ndarray, Work]]:
+    """(first row, factors in the index's coordinates, work) of each block, projected from the queries' captures."""
+    for lo, hi in spans:
+        yield lo, projection.queries(im, examples.read(x_test, slice(lo, hi)), examples.read(y_test, slice(lo, hi))).cpu().numpy(), Work()
+
+
 def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Callable[[], Any] | None) -> dict[str, Any]:
     method, model, data, preconditioner, store = stage.method, stage.model, stage.data, stage.preconditioner, stage.store
     im = load_influence_model(method, model, data, preconditioner, store.options, stage.device)
@@ -173,11 +185,16 @@ def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Calla
     n_test = y_test.shape[0]
     work = Work()
     dense = None
+    projection = None if stage.index is None else index_projection(im, data, store.options, stage.index.side or 0)
     if method.name == "lissa":
         dense, work = _lissa_dense(method, model, data, preconditioner, store.options, stage.device, client_factory)
     block = solve_rows(n_test, im)
     spans = [(lo, min(lo + block, n_test)) for lo in range(0, n_test, block)]
-    blocks = _blocks_on_cluster(stage, spans, client_factory) if im.solves_on_data else _blocks_here(im, x_test, y_test, spans, dense)
+    if projection is not None and projection.whitened:
+        blocks = _projected_here(im, projection, x_test, y_test, spans)
+    else:
+        projection = None  # solved as without an index; scoring projects them
+        blocks = _blocks_on_cluster(stage, spans, client_factory) if im.solves_on_data else _blocks_here(im, x_test, y_test, spans, dense)
     url = loc.path("factors.zarr")
     out = None
     with ThreadPoolExecutor(max_workers=1) as writer:  # a block is written while the next one is solved
@@ -200,10 +217,11 @@ def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Calla
     assert out is not None
     out.attrs["fingerprint"] = loc.key
     work += im.work
-    return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype), "work": work.as_dict()}
+    coordinates = "parameters" if projection is None else "index"
+    return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype), "work": work.as_dict(), "coordinates": coordinates}
 
 
-def run(stage: QueryFactorsInput, client_factory: Callable[[], Any] | None = None) -> StageRef:
+def run(stage: QueryFactorsInput, client_factory: Callable[[], Any] | None = None) -> FactorsRef:
     """Solve for the query factors with `stage.threads` torch threads, or return the stored ones. LiSSA's repeats
     run as tasks on the cluster of `client_factory()` (a context manager yielding a Dask client or None), else here."""
     return stage.call.run(lambda loc: _compute(stage, loc, client_factory))

@@ -11,7 +11,7 @@ from typing import Any
 from . import damage, storage
 from ...errors import ConfigError
 from ..score.layout import SCORE_CONVENTION
-from .refs import DataRef, IndexRef, ModelRef, StageRef, ValidationRef
+from .refs import DataRef, FactorsRef, IndexRef, ModelRef, StageRef, ValidationRef
 from ..specs import METHOD_CLASSES, MagicMethod, ModelSpec
 from ..report.report import Decode, QueryRow, example_view, lds_line, render_report, topk_rows
 from ...version import CODE_VERSION, source_commit
@@ -170,7 +170,7 @@ def portable_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
     """The stage refs a published run records, resolved against where the output is now."""
-    types = {"prepare_data": DataRef, "fit_model": ModelRef, "index_training": IndexRef}
+    types = {"prepare_data": DataRef, "fit_model": ModelRef, "index_training": IndexRef, "compute_test_factors": FactorsRef}
     return {name: types.get(name.split("[")[0], StageRef).model_validate(ref).moved(store.resolve) for name, ref in attrs["refs"].items()}  # fit_model[1]: a ModelRef
 
 

@@ -38,6 +38,13 @@ class StageRef(Ref):
     parameters: dict[str, Any] = {}  # fit_preconditioner: the parameters attributed, excluded and frozen (InfluenceFunctionModel.attributed_parameters)
 
 
+class FactorsRef(StageRef):
+    """The query factors (`url`: a Zarr array (n_test, dim)) in the method's feature coordinates ("parameters"), or
+    projected into a compressed training index's ("index", `influence_core.index_projection`)."""
+
+    coordinates: str = "parameters"
+
+
 class DataRef(StageRef):
     """Train and query arrays in one Zarr group: x_train, y_train, x_test, y_test; inputs of named fields are one
     array per field, x_train/input_ids, x_train/attention_mask, ... (see docs/examples.md)."""
