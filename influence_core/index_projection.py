@@ -91,11 +91,14 @@ class IndexProjection:
     projecting F and G themselves loses the score when D spans orders of magnitude. The training side takes D^(-1/2)
     through its truncated SVD (`whitening_factors`, within `whitening_rtol`) where that is cheaper."""
 
-    def __init__(self, split: GradientSplit, order: RowOrder, side: int, seed: int, damped: dict[str, torch.Tensor] | None = None, whitening_rtol: float = WHITENING_RTOL) -> None:
+    def __init__(
+        self, split: GradientSplit, order: RowOrder, side: int, seed: int, damped: dict[str, torch.Tensor] | None = None,
+        whitening_rtol: float = WHITENING_RTOL, whitening: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         self.split, self.order, self.side, self.seed, self.damped = split, order, side, seed, damped or {}
         self.whitening_rtol = whitening_rtol
         self._phi: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._whitening: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._whitening = dict(whitening or {})  # factors computed before (kept with an index), by cut name
 
     def sides(self, cut: LayerCut) -> tuple[int, int]:
         """k_out, k_in: `side`, or the matrix's own size when smaller (such a side is kept exactly, Φ = I)."""
@@ -145,7 +148,7 @@ class IndexProjection:
         return self._project(index, cut, cut_gradients(batch, cut) * self.damped[cut.name].to(batch.dtype).rsqrt())
 
     def whitening(self, cut: LayerCut) -> tuple[torch.Tensor, torch.Tensor]:
-        """A damped cut's `whitening_factors`, computed once."""
+        """A damped cut's `whitening_factors`, computed once (or as given)."""
         if cut.name not in self._whitening:
             self._whitening[cut.name] = whitening_factors(self.damped[cut.name], self.whitening_rtol)
         return self._whitening[cut.name]
@@ -156,6 +159,10 @@ class IndexProjection:
         if self.split.rest_columns is not None:
             parts.append(flat[:, self.split.rest_columns.to(flat.device)])
         return torch.cat(parts, dim=1)
+
+    def all_whitening(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Every damped cut's `whitening`, by cut name: what an index keeps so its queries need no SVD."""
+        return {cut.name: self.whitening(cut) for cut in self.split.cuts if cut.name in self.damped}
 
     @property
     def whitened(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 import zarr
 import pytest
 from sklearn.datasets import load_digits
@@ -16,6 +17,7 @@ from influence_core.pipeline.score import scoring
 from influence_core.pipeline.store import storage
 from influence_core.pipeline.runtime.cluster import dask_client
 from influence_core.pipeline.score.score_input import ScoringInput
+from influence_core.pipeline.store.loading import index_projection, load_influence_model
 from tests.helpers import read_outputs, small_params
 from tests.integration.test_engine import upstream
 
@@ -206,7 +208,8 @@ def test_an_index_over_budget_is_compressed_and_tracks_the_exact_scores(tmp_path
 def test_whitened_query_factors_are_taken_in_the_compressed_index_s_coordinates(tmp_path):
     """Given a compressed index, EK-FAC's compute_test_factors projects the queries from their captures (n_test × dim,
     not n_test × p; coordinates "index"), and scoring over them gives the scores of the model-wide factors projected
-    at scoring: the same up to the whitening's 1e-3 truncation (atol 1e-4 of the largest score)."""
+    at scoring: the same up to the whitening's 1e-3 truncation (atol 1e-4 of the largest score). The index keeps
+    its whitening factors beside it (the truncated SVDs factored again give the same), so queries need no SVD."""
     compute = {"cluster": "sequential", "train_chunk_rows": 64, "index_budget_gb": 1.5e-3, "index_side": 32}
     params = small_params(str(tmp_path / "run"), compute=compute, method=METHODS["ekfac"], model={"hidden": [32]}, aggregate={"top_k": 10, "report_queries": 3})
     store, data, model, curvature, flat = upstream(params)
@@ -214,6 +217,11 @@ def test_whitened_query_factors_are_taken_in_the_compressed_index_s_coordinates(
     train_index = index.run(index.IndexInput(params.method, params.aggregate, model, data, curvature, store, params.compute), factory)
     taken = query_factors.run(query_factors.QueryFactorsInput(params.method, model, data, curvature, store, params.compute.torch_threads, params.compute, train_index))
     assert flat.coordinates == "parameters" and taken.coordinates == "index" and taken.fingerprint != flat.fingerprint
+    im = load_influence_model(params.method, model, data, curvature, store.options)
+    kept, fresh = (index_projection(im, data, store.options, 32, url).all_whitening() for url in (train_index.whitening_url, None))
+    assert storage.exists(train_index.whitening_url, store.options) and kept.keys() == fresh.keys() == {"1", "3"}
+    for name in kept:
+        assert all(torch.equal(a, b) for a, b in zip(kept[name], fresh[name])), name
     assert flat.shape == (data.n_test, 64 * 32 + 32 + 33 * 10) and taken.shape == (data.n_test, 32 * 32 + 10 * 32)
     scores = {}
     for name, factors in (("flat", flat), ("taken", taken)):  # each into its own output

@@ -100,7 +100,7 @@ def solve(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu
     check_question(ModelSpec.model_validate(config["model"]), data, im.objective, x, y)
     xq, yq = im.objective.to_model(x, torch.as_tensor(y))
     if index.compression == "logra":  # a whitened method's queries straight from their captures
-        factors = index_projection(im, data, store.options, index.side or 0).queries(im, xq, yq)
+        factors = index_projection(im, data, store.options, index.side or 0, index.whitening_url).queries(im, xq, yq)
     else:
         factors = im.influence_factors(xq, yq)
     return Question(factors, config, index, data, im.work.copy())

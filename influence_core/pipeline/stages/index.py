@@ -32,7 +32,7 @@ from ...self_influence import SelfInfluencePlan, describe
 from ...work import Work
 from ..score.chunks import ChunkJob, Progress, execute
 from ..score.layout import MIN_TASKS
-from ..store.loading import index_projection, load_influence_model, open_data
+from ..store.loading import index_projection, keep_whitening, load_influence_model, open_data
 from ..store.refs import DataRef, IndexRef, ModelRef, StageRef
 from ..store.run_store import RunStore
 from ..score.scoring import self_influence_plan, stored_plan
@@ -89,6 +89,11 @@ class IndexJob(ChunkJob):
     def url(self) -> str:
         return self.path("index.zarr")
 
+    @property
+    def whitening_url(self) -> str:
+        """The whitening factors beside the index (`IndexRef.whitening_url`)."""
+        return self.path("whitening.pt")
+
     def open(self) -> "IndexWorker":
         return IndexWorker(self)
 
@@ -126,7 +131,7 @@ class IndexWorker:
         self.x, self.y = arrays["x_train"], arrays["y_train"]
         im = load_influence_model(stage.method, stage.model, stage.data, stage.preconditioner, job.options, stage.compute.torch_device)
         self.scorer = Scorer(im, None, job.self_influence_plan(0))
-        self.project = None if job.side is None else index_projection(im, stage.data, job.options, job.side).training
+        self.project = None if job.side is None else index_projection(im, stage.data, job.options, job.side, job.whitening_url).training
         group = storage.open_group(job.url, job.options, mode="a")
         self.features: zarr.Array = group["features"]
         self.self_influence: zarr.Array | None = group["self_influence"] if "self_influence" in group else None
@@ -194,6 +199,8 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
         return {"url": loc.path("skipped.json"), "fingerprint": loc.key, "shape": (n_train, im.factor_dim), "dtype": str(im.objective.space.dtype).removeprefix("torch."), "bytes_per_row": 0, **skipped}
     job = IndexJob(stage, index_chunk_rows(n_train, layout.row_bytes, stage.compute.train_chunk_rows), layout.side)
     work = Work()
+    if layout.side is not None:  # factored once here, for the workers and every later query
+        keep_whitening(index_projection(im, stage.data, stage.store.options, layout.side), job.whitening_url, stage.store.options)
     plan = self_influence_plan(job, 0, lambda: im, stage.aggregate, None, work)  # no queries here: auto's sketch takes self_influence_rank
     _create(job, layout.dim, layout.dtype, plan is not None, im.objective.space.dtype)
     n_tasks = math.ceil(n_train / job.rows)

@@ -185,7 +185,7 @@ def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Calla
     n_test = y_test.shape[0]
     work = Work()
     dense = None
-    projection = None if stage.index is None else index_projection(im, data, store.options, stage.index.side or 0)
+    projection = None if stage.index is None else index_projection(im, data, store.options, stage.index.side or 0, stage.index.whitening_url)
     if method.name == "lissa":
         dense, work = _lissa_dense(method, model, data, preconditioner, store.options, stage.device, client_factory)
     block = solve_rows(n_test, im)

@@ -88,10 +88,22 @@ def read_factors(im: InfluenceFunctionModel, url: str, options: dict[str, Any], 
     return stream_rows(blocks, array.shape[0], split, im.row_order, im.query_rank)
 
 
-def index_projection(im: InfluenceFunctionModel, data: DataRef, options: dict[str, Any], side: int) -> IndexProjection:
+def index_projection(im: InfluenceFunctionModel, data: DataRef, options: dict[str, Any], side: int, whitening_url: str | None = None) -> IndexProjection:
     """A compressed training index's projection for this influence model (its gradient split probed on the first
-    training rows): the same on the index's side and the queries'."""
+    training rows): the same on the index's side and the queries'; with `whitening_url`, the whitening factors its
+    index keeps (`keep_whitening`; an index written before they were kept: computed again)."""
     arrays = open_data(data, options)
     x, y = examples.read(arrays["x_train"], slice(0, 8)), examples.read(arrays["y_train"], slice(0, 8))
     damped = {layer.name: im.solvers[layer.block].damped(im.objective.space.dtype) for layer in im.layers} if isinstance(im, KfacInfluence) else None  # type: ignore[attr-defined]
-    return IndexProjection(im.gradient_split(x, y), im.row_order, side, seed=0, damped=damped)
+    kept = None
+    if whitening_url is not None and damped and storage.exists(whitening_url, options):
+        state = load_state(whitening_url, options, field="index_whitening")
+        kept = {name: (state[f"{name}/left"], state[f"{name}/right"]) for name in damped}
+    return IndexProjection(im.gradient_split(x, y), im.row_order, side, seed=0, damped=damped, whitening=kept)
+
+
+def keep_whitening(projection: IndexProjection, url: str, options: dict[str, Any]) -> None:
+    """Store a whitened projection's factors (every damped cut's truncated SVD) at `url`, once: the index's workers
+    and every later query load them instead of factoring D^(-1/2) again."""
+    if projection.damped and not storage.exists(url, options):
+        save_tensors(url, {f"{name}/{side}": factor for name, pair in projection.all_whitening().items() for side, factor in zip(("left", "right"), pair)}, options)

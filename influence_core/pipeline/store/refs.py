@@ -133,6 +133,11 @@ class IndexRef(StageRef):
     def array(self, name: str) -> str:
         return f"{self.url}/{name}"
 
+    @property
+    def whitening_url(self) -> str:
+        """Beside the index's group: a whitened (K-FAC/EK-FAC) compressed index's truncated-SVD factors of D^(-1/2)."""
+        return f"{self.url.rsplit('/', 1)[0]}/whitening.pt"
+
 
 class ValidationRef(StageRef):
     """The validate stage: the run's LDS (mean, standard error, per query; None where undefined, e.g. a query whose
