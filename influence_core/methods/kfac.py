@@ -71,9 +71,21 @@ def covariance_sums(objective: Objective, layers: list[TrackedLayer], batches: I
                 g64 = g.to(torch.float64)
                 _add(sums[layer.name], "s", torch.einsum("bto,btp->op", g64, g64))
             _add(sums[layer.name], "examples", torch.tensor(float(examples.count(x)), dtype=torch.float64))
+            _count_rows(sums[layer.name], x, cap.g[layer.name])
             positions = float(a.shape[0] * a.shape[1]) if kept is None else kept.sum()
             _add(sums[layer.name], "positions", torch.as_tensor(positions, dtype=torch.float64))
     return sums
+
+
+def _count_rows(values: dict[str, torch.Tensor], x: examples.Inputs, gradients: list[torch.Tensor]) -> None:
+    """Count a captured batch's backward rows (examples × output gradients drawn per example) in its layer's sums, so
+    they add up across chunks as the sums do (`pass_rows`)."""
+    _add(values, "gradient_rows", torch.tensor(float(examples.count(x) * len(gradients)), dtype=torch.float64))
+
+
+def pass_rows(sums: Sums) -> int:
+    """The backward rows one pass's summed captures took (every layer counts the same rows)."""
+    return int(next(iter(sums.values()))["gradient_rows"])
 
 
 def padding_mask(x: examples.Inputs, a: torch.Tensor) -> torch.Tensor | None:
@@ -93,6 +105,7 @@ def correction_sums(objective: Objective, layers: list[TrackedLayer], bases: dic
         for layer in layers:
             q_a, q_s = bases[layer.name]
             a = cap.a[layer.name]
+            _count_rows(sums[layer.name], x, cap.g[layer.name])
             for g in cap.g[layer.name]:
                 if a.shape[1] == 1:  # one position: Q_Sᵀ g aᵀ Q_A = u vᵀ, so Σ (u vᵀ)² = (u²)ᵀ (v²), one GEMM
                     u, v = (g[:, 0] @ q_s.to(g.dtype)) ** 2, (a[:, 0] @ q_a.to(a.dtype)) ** 2
@@ -232,7 +245,8 @@ class KfacInfluence(InfluenceFunctionModel):
         return correction_sums(self.objective, self.layers, bases, batches, self.fisher, self.seed, offset, self.fisher_samples)
 
     def factor_state(self, sums: Sums, bases: dict[str, tuple[torch.Tensor, torch.Tensor]], corrected: Sums | None) -> dict[str, dict[str, torch.Tensor]]:
-        """The per-block state from summed passes."""
+        """The per-block state from summed passes, whose backward rows are added to the work counted."""
+        self.work.gradient_rows += pass_rows(sums) + (0 if corrected is None else pass_rows(corrected))
         if corrected is not None:
             eigenvalues = {name: corrected[name]["lambda"] / sums[name]["examples"] for name in sums}
         else:
