@@ -47,6 +47,7 @@ quality: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/peers.py
 	$(BIN)/python benchmarks/long_sequences.py
+	$(BIN)/python benchmarks/index_rerun.py
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/peers.py --quick
