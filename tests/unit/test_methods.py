@@ -176,7 +176,7 @@ def blockwise_reference(pr: Problem, lams: dict[str, float]) -> torch.Tensor:
         lambda pr, lams: CgInfluence(pr.model, pr.loss, lams, second_order_mode="gauss_newton", block_structure="layer_wise", rtol=1e-12),
         lambda pr, lams: ArnoldiInfluence(pr.model, pr.loss, lams, second_order_mode="gauss_newton", block_structure="layer_wise", rank=dim(pr), krylov_dim=dim(pr)),
         lambda pr, lams: NystroemSketchInfluence(pr.model, pr.loss, lams, second_order_mode="gauss_newton", block_structure="layer_wise", rank=dim(pr)),
-        lambda pr, lams: LissaInfluence(pr.model, pr.loss, lams, second_order_mode="gauss_newton", block_structure="layer_wise", depth=8000, lissa_batch_size=1000, scale=2.5, rtol=1e-11),
+        lambda pr, lams: LissaInfluence(pr.model, pr.loss, lams, second_order_mode="gauss_newton", block_structure="layer_wise", depth=2000, lissa_batch_size=1000, scale=1.5, rtol=1e-11),
     ],
     ids=["direct", "cg", "arnoldi", "nystroem", "lissa"],
 )

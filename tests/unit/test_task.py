@@ -157,16 +157,17 @@ def test_exact_fisher_columns_square_to_the_output_hessian(case):
 
 @pytest.mark.parametrize("case", [c for c in cases() if not c[-1]], ids=lambda c: c[0])
 def test_sampled_fisher_averages_to_the_output_hessian(case):
-    """The mean of v vᵀ over 20,000 draws per example is the output Hessian, within Monte Carlo error; the
-    built-ins' closed-form samplers and the Lanczos sampler of a callable loss alike."""
+    """The mean of v vᵀ over 5,000 draws per example is the output Hessian, within Monte Carlo error (measured: at
+    most 0.046 of its largest entry; a wrong sampler is off by O(1)); the built-ins' closed-form samplers and the
+    Lanczos sampler of a callable loss alike."""
     _, model, task, x, y, reference, _ = case
     with torch.no_grad():
         out = task.output(model(x[:3]))
     expected = output_hessians(out, y[:3], reference)
     for sampler in (task, LossTask(lambda o, t: task.mean_loss(o, t))):
-        estimate = outer_sums(sampler.sampled_fisher(out, y[:3], ExampleNoise(0), 0, 20000))
+        estimate = outer_sums(sampler.sampled_fisher(out, y[:3], ExampleNoise(0), 0, 5000))
         scale = expected.abs().amax(dim=(1, 2), keepdim=True)
-        assert float(((estimate - expected).abs() / scale).max()) < 0.05
+        assert float(((estimate - expected).abs() / scale).max()) < 0.08
         assert float(((estimate - expected).abs() / scale).max()) > 0  # a Monte Carlo estimate, not the closed form
 
 
