@@ -62,6 +62,19 @@ def index_rows(im: Any, x: Any, y: torch.Tensor, projection: Any, formed: bool) 
         return rows, time.perf_counter() - start
 
 
+def cached_run(cache: Path) -> tuple[Any, DataRef, Any, torch.Tensor, Any, torch.Tensor]:
+    """The cache's fitted influence model, its data, and the training and query rows: (im, data, x, y, xq, yq)."""
+    data = DataRef.model_validate(manifest(cache, "prepare_data")["output"])
+    model = ModelRef.model_validate(manifest(cache, "fit_model")["output"])
+    curvature = manifest(cache, "fit_preconditioner")
+    method = TypeAdapter(MethodSpec).validate_python(curvature["arguments"]["method"])
+    im = load_influence_model(method, model, data, StageRef.model_validate(curvature["output"]), {})
+    arrays = open_data(data, {})
+    x, y = examples.read(arrays["x_train"]), torch.as_tensor(np.asarray(arrays["y_train"][:]))
+    xq, yq = examples.read(arrays["x_test"]), torch.as_tensor(np.asarray(arrays["y_test"][:]))
+    return im, data, x, y, xq, yq
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, required=True)
@@ -71,14 +84,7 @@ def main() -> None:
     parser.add_argument("--rtols", nargs="+", type=float, default=[1e-2, 1e-3, 1e-4])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    data = DataRef.model_validate(manifest(args.cache, "prepare_data")["output"])
-    model = ModelRef.model_validate(manifest(args.cache, "fit_model")["output"])
-    curvature = manifest(args.cache, "fit_preconditioner")
-    method = TypeAdapter(MethodSpec).validate_python(curvature["arguments"]["method"])
-    im = load_influence_model(method, model, data, StageRef.model_validate(curvature["output"]), {})
-    arrays = open_data(data, {})
-    x, y = examples.read(arrays["x_train"]), torch.as_tensor(np.asarray(arrays["y_train"][:]))
-    xq, yq = examples.read(arrays["x_test"]), torch.as_tensor(np.asarray(arrays["y_test"][:]))
+    im, data, x, y, xq, yq = cached_run(args.cache)
     projection = build_projection(im, data, {}, args.side)
     print(f"{data.n_train:,} training rows, {len(yq)} queries, side {args.side}, {args.threads} thread(s), whitening_rtol {projection.whitening_rtol:g}")
     for cut in projection.split.cuts:
