@@ -164,18 +164,22 @@ class IndexProjection:
         """Every damped cut's `whitening`, by cut name: what an index keeps so its queries need no SVD."""
         return {cut.name: self.whitening(cut) for cut in self.split.cuts if cut.name in self.damped}
 
-    @property
-    def whitened(self) -> bool:
-        """Every cut whitened and no rest columns: queries are projected from their captures (`queries`)."""
+    def from_captures(self, im: "InfluenceFunctionModel") -> bool:
+        """Whether `im`'s query factors, as projected, are the training rows' own form of the queries' captures:
+        gradient dot products (F = G_q, nothing damped), or K-FAC/EK-FAC with every cut whitened and no rest
+        columns (F = G_q D⁻¹ projects as F D^(1/2) = G_q D^(-1/2))."""
+        from .methods.identity import IdentityInfluence
+
+        if isinstance(im, IdentityInfluence):
+            return not self.damped
         return self.split.rest_columns is None and not {cut.name for cut in self.split.cuts} - set(self.damped)
 
     def queries(self, im: "InfluenceFunctionModel", x: Any, y: torch.Tensor) -> torch.Tensor:
-        """(m, dim): the query factors of (x, y) in the index's coordinates. A whitened method's factor F = G_q D⁻¹
-        projects as F D^(1/2) = G_q D^(-1/2), the training rows' own form, so when every cut is whitened (K-FAC,
-        EK-FAC, no rest) the queries are projected from their measurement's captures as the rows are, and no factor as
-        wide as the model is formed (nor compressed by method.query_rank: an index is never built with it); otherwise
-        the factors are solved, then projected."""
-        if not self.whitened:
+        """(m, dim): the query factors of (x, y) in the index's coordinates: projected from their measurement's
+        captures as the training rows are where that is their form (`from_captures`), so no factor as wide as the
+        model is formed (nor compressed by method.query_rank: an index is never built with it); otherwise the factors
+        are solved, then projected."""
+        if not self.from_captures(im):
             return self.factors(im.influence_factors(x, y))
         step = im.batch_size
         return torch.cat([self.training(im.gradient_batch(examples.take(x, slice(lo, lo + step)), y[lo : lo + step], measure=True)) for lo in range(0, examples.count(x), step)])

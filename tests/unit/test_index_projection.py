@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from influence_core import DirectInfluence, EkfacInfluence, KfacInfluence
+from influence_core import DirectInfluence, EkfacInfluence, IdentityInfluence, KfacInfluence
 from influence_core.contraction import cut_gradients, gradient_batch
 from influence_core.index_projection import IndexProjection, factored_is_cheaper, factored_projection, orthogonal_rows, whitening_factors
 
@@ -200,3 +200,14 @@ def test_whitened_queries_from_their_captures_equal_the_projected_factors(kind):
     direct = DirectInfluence(model, "cross_entropy", regularization=1e-2).fit((x, y))
     plain = IndexProjection(direct.gradient_split(x, y), direct.row_order, side=4, seed=0)
     assert torch.equal(plain.queries(direct, xq, yq), plain.factors(direct.influence_factors(xq, yq)))
+
+
+def test_identity_queries_from_their_captures_equal_the_projected_factors():
+    """Gradient dot products (F = G_q): `queries` projects the queries' captures, embedding (token ids), Linear cuts
+    and the LayerNorm rest alike, and gives the solved factors projected, to 1e-10 in float64."""
+    model, _, split, x, y = _problem()
+    im = IdentityInfluence(model, "cross_entropy").fit((x, y))
+    projection = IndexProjection(im.gradient_split(x, y), im.row_order, side=4, seed=0)
+    assert projection.from_captures(im) and split.rest_columns is not None
+    xq, yq = x[:10], (y[:10] + 1) % 3
+    torch.testing.assert_close(projection.queries(im, xq, yq), projection.factors(im.influence_factors(xq, yq)), rtol=1e-10, atol=1e-12)

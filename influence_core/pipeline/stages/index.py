@@ -33,7 +33,7 @@ from ...work import Work
 from ..score.chunks import ChunkJob, Progress, execute
 from ..score.layout import MIN_TASKS
 from ..store.loading import index_projection, keep_whitening, load_influence_model, open_data
-from ..store.refs import DataRef, IndexRef, ModelRef, StageRef
+from ..store.refs import WHITENING_FILE, DataRef, IndexRef, ModelRef, StageRef
 from ..store.run_store import RunStore
 from ..score.scoring import self_influence_plan, stored_plan
 from ..specs import AggregateSpec, ComputeSpec, MethodSpec
@@ -92,7 +92,7 @@ class IndexJob(ChunkJob):
     @property
     def whitening_url(self) -> str:
         """The whitening factors beside the index (`IndexRef.whitening_url`)."""
-        return self.path("whitening.pt")
+        return self.path(WHITENING_FILE)
 
     def open(self) -> "IndexWorker":
         return IndexWorker(self)

@@ -186,14 +186,15 @@ def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Calla
     work = Work()
     dense = None
     projection = None if stage.index is None else index_projection(im, data, store.options, stage.index.side or 0, stage.index.whitening_url)
+    taken = projection is not None and projection.from_captures(im)  # else solved as without an index; scoring projects them
     if method.name == "lissa":
         dense, work = _lissa_dense(method, model, data, preconditioner, store.options, stage.device, client_factory)
     block = solve_rows(n_test, im)
     spans = [(lo, min(lo + block, n_test)) for lo in range(0, n_test, block)]
-    if projection is not None and projection.whitened:
+    if taken:
+        assert projection is not None
         blocks = _projected_here(im, projection, x_test, y_test, spans)
     else:
-        projection = None  # solved as without an index; scoring projects them
         blocks = _blocks_on_cluster(stage, spans, client_factory) if im.solves_on_data else _blocks_here(im, x_test, y_test, spans, dense)
     url = loc.path("factors.zarr")
     out = None
@@ -217,8 +218,7 @@ def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Calla
     assert out is not None
     out.attrs["fingerprint"] = loc.key
     work += im.work
-    coordinates = "parameters" if projection is None else "index"
-    return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype), "work": work.as_dict(), "coordinates": coordinates}
+    return {"url": storage.join(url, "factors"), "fingerprint": loc.key, "shape": out.shape, "dtype": str(out.dtype), "work": work.as_dict(), "coordinates": "index" if taken else "parameters"}
 
 
 def run(stage: QueryFactorsInput, client_factory: Callable[[], Any] | None = None) -> FactorsRef:

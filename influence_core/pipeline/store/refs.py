@@ -38,6 +38,9 @@ class StageRef(Ref):
     parameters: dict[str, Any] = {}  # fit_preconditioner: the parameters attributed, excluded and frozen (InfluenceFunctionModel.attributed_parameters)
 
 
+WHITENING_FILE = "whitening.pt"  # beside a whitened compressed index's group, in its stage directory
+
+
 class FactorsRef(StageRef):
     """The query factors (`url`: a Zarr array (n_test, dim)) in the method's feature coordinates ("parameters"), or
     projected into a compressed training index's ("index", `influence_core.index_projection`)."""
@@ -136,7 +139,7 @@ class IndexRef(StageRef):
     @property
     def whitening_url(self) -> str:
         """Beside the index's group: a whitened (K-FAC/EK-FAC) compressed index's truncated-SVD factors of D^(-1/2)."""
-        return f"{self.url.rsplit('/', 1)[0]}/whitening.pt"
+        return f"{self.url.rsplit('/', 1)[0]}/{WHITENING_FILE}"
 
 
 class ValidationRef(StageRef):
