@@ -241,9 +241,9 @@ PARAMETER_CASES = [
     invalid("ensemble with the FastIF prefilter", both(set_in("training.ensemble", 2), set_in("candidates.knn_k", 8)), "training.ensemble", "candidates.knn_k=8", "candidates.knn_k to null"),
     invalid("a model setting at the top level", set_in("task", "language_modelling"), "task", "did you mean model.task?"),
     invalid("a checkpoint at the top level", set_in("checkpoint", "model.pt"), "checkpoint", "did you mean model.checkpoint?"),
-    invalid("a 10 MB region", set_in("storage.region", "x" * 10_000_000), "storage.region", "10,000,000 characters", "not printed"),
-    invalid("a 10 MB model option", both(set_in("model.factory", "tests.plugin_models:dropout_batchnorm_mlp"), set_in("model.options", {"hidden": "x" * 10_000_000})), "model.options.hidden", "not printed"),
-    invalid("a 10 MB dataset source", set_in("dataset.source", "x" * 10_000_000), "dataset.source", "not printed"),
+    invalid("a 1 MB region", set_in("storage.region", "x" * 1_000_000), "storage.region", "1,000,000 characters", "not printed"),
+    invalid("a 1 MB model option", both(set_in("model.factory", "tests.plugin_models:dropout_batchnorm_mlp"), set_in("model.options", {"hidden": "x" * 1_000_000})), "model.options.hidden", "not printed"),
+    invalid("a 1 MB dataset source", set_in("dataset.source", "x" * 1_000_000), "dataset.source", "not printed"),
     invalid("negative λ of one layer", set_in("method.regularization", {"1": 1e-3, "3": -1.0}), "method.regularization.3", "Fix: set method.regularization.3 to 0.0 or more"),
 ]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,14 @@ def reference(workload: Path, matrix: str, solver: str, out: Path, *options: str
     return np.load(out)
 
 
+@pytest.fixture(scope="module")
+def direct(workload: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], np.ndarray]:
+    """The reference's float64 Direct solve of each matrix, computed once for the module's tests (a subprocess each)."""
+    solved: dict[str, np.ndarray] = {}
+    out = tmp_path_factory.mktemp("direct")
+    return lambda matrix: solved.get(matrix) if matrix in solved else solved.setdefault(matrix, reference(workload, matrix, "direct", out / f"{matrix}.npy"))
+
+
 def test_prepare_is_deterministic_and_reused(workload: Path, tmp_path: Path) -> None:
     again = workloads.prepare(SPEC, tmp_path)
     with np.load(workload / "data.npz") as a, np.load(again / "data.npz") as b:
@@ -46,12 +55,12 @@ def test_prepare_is_deterministic_and_reused(workload: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(("method", "mode", "matrix"), [("direct", "hessian", "hessian"), ("cg", "gauss_newton", "ggn")])
-def test_our_runner_matches_the_independent_reference(workload: Path, tmp_path: Path, method: str, mode: str, matrix: str) -> None:
+def test_our_runner_matches_the_independent_reference(workload: Path, direct: Callable[[str], np.ndarray], tmp_path: Path, method: str, mode: str, matrix: str) -> None:
     """Sign, scale and λ of the runner's scores, against reference.py's float64 Direct solve (torch.func only)."""
     options = {"second_order_mode": mode, **({"rtol": 1e-7} if method == "cg" else {})}
     result = run("ours_runner.py", "--workload", str(workload), "--method", method, "--options", json.dumps(options),
                  "--regularization", str(LAM), "--scores", str(tmp_path / "ours.npy"))
-    exact = reference(workload, matrix, "direct", tmp_path / "exact.npy")
+    exact = direct(matrix)
     ours = np.load(tmp_path / "ours.npy")
     assert ours.shape == exact.shape == (7, 120)
     np.testing.assert_allclose(ours, exact, rtol=0, atol=2e-4 * np.abs(exact).max())
@@ -63,10 +72,9 @@ W4_SOLVE = ("--preconditioner", "nystroem", "--preconditioner-rank", "8", "--pro
 
 @pytest.mark.parametrize(("matrix", "solver", "options", "tol"), [("hessian", "cg", (), 1e-7), ("ggn", "cg", (), 1e-7), ("ef", "woodbury", (), 1e-7),
                                                                   ("ggn", "block-cg", W4_SOLVE, 1e-5)])
-def test_reference_solvers_agree_with_its_direct_solve(workload: Path, tmp_path: Path, matrix: str, solver: str, options: tuple[str, ...], tol: float) -> None:
-    direct = reference(workload, matrix, "direct", tmp_path / "direct.npy")
+def test_reference_solvers_agree_with_its_direct_solve(workload: Path, direct: Callable[[str], np.ndarray], tmp_path: Path, matrix: str, solver: str, options: tuple[str, ...], tol: float) -> None:
     other = reference(workload, matrix, solver, tmp_path / "other.npy", *options)
-    np.testing.assert_allclose(other, direct, rtol=0, atol=tol * np.abs(direct).max())
+    np.testing.assert_allclose(other, direct(matrix), rtol=0, atol=tol * np.abs(direct(matrix)).max())
 
 
 def test_failures_and_timeouts_are_results(tmp_path: Path) -> None:
