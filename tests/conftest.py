@@ -46,10 +46,13 @@ def s3_bucket(s3_endpoint: str) -> str:
 
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[None]:
-    """A real Prefect API on a temporary SQLite database, for the whole session."""
+    """A real Prefect API on a temporary SQLite database, for the whole session. Flow runs in this process send no
+    heartbeats: the engine joins its heartbeat thread, which sleeps in 1 s steps, at every flow run's end (0.5 s a run
+    on average; a deployment's runs, in their own processes, keep theirs)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=120), temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
 
 
