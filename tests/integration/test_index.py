@@ -18,7 +18,7 @@ from influence_core.pipeline.store import storage
 from influence_core.pipeline.runtime.cluster import dask_client
 from influence_core.pipeline.score.score_input import ScoringInput
 from influence_core.pipeline.store.loading import index_projection, load_influence_model
-from tests.helpers import read_outputs, small_params
+from tests.helpers import assert_same_outputs, read_outputs, small_params
 from tests.integration.test_engine import upstream
 
 METHODS = {
@@ -209,7 +209,7 @@ def test_whitened_query_factors_are_taken_in_the_compressed_index_s_coordinates(
     """Given a compressed index, EK-FAC's compute_test_factors projects the queries from their captures (n_test × dim,
     not n_test × p; coordinates "index"), and scoring over them gives the scores of the model-wide factors projected
     at scoring: the same up to the whitening's 1e-3 truncation (atol 1e-4 of the largest score). The index keeps
-    its whitening factors beside it (the truncated SVDs factored again give the same), so queries need no SVD."""
+    its whitening factors in its group (the truncated SVDs factored again give the same), so queries need no SVD."""
     compute = {"cluster": "sequential", "train_chunk_rows": 64, "index_budget_gb": 1.5e-3, "index_side": 32}
     params = small_params(str(tmp_path / "run"), compute=compute, method=METHODS["ekfac"], model={"hidden": [32]}, aggregate={"top_k": 10, "report_queries": 3})
     store, data, model, curvature, flat = upstream(params)
@@ -231,6 +231,24 @@ def test_whitened_query_factors_are_taken_in_the_compressed_index_s_coordinates(
     scale = np.abs(scores["flat"]).max()
     np.testing.assert_allclose(scores["taken"], scores["flat"], rtol=0, atol=1e-4 * scale)  # measured: 4.6e-6
     assert not np.array_equal(scores["taken"], scores["flat"])
+
+
+def test_a_damaged_whitening_is_found_and_the_index_written_again(tmp_path, prefect_api):
+    """The whitening factors live in the index's group, in its inventory: cut short, the rerun finds the index
+    incomplete, factors them again and rewrites every row (none projected with other factors is kept); nothing else
+    runs, and the outputs are those of the first run, bit for bit."""
+    compute = {"cluster": "sequential", "train_chunk_rows": 64, "index_budget_gb": 1.5e-3, "index_side": 32}
+    params = small_params(str(tmp_path / "run"), compute=compute, method=METHODS["ekfac"], model={"hidden": [32]})
+    first = influence_run(**params.sections())
+    assert first["stages"]["index_training"]["compression"] == "logra"
+    _, expected = read_outputs(params.store())
+    [whitening] = (tmp_path / "run").glob("stages/index_training/*/index.zarr/whitening.pt")
+    whitening.write_bytes(whitening.read_bytes()[:100])
+    again = influence_run(**params.sections())
+    outcomes = {name: stage["outcome"] for name, stage in again["stages"].items()}
+    assert outcomes.pop("index_training") == "computed" and set(outcomes.values()) <= {"cached", "found complete"}
+    assert again["stages"]["index_training"]["chunks_computed"] == again["stages"]["index_training"]["n_chunks"] == 4
+    assert_same_outputs(params.store(), expected)
 
 
 def test_direct_over_budget_is_not_compressed(tmp_path):

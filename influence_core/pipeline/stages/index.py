@@ -91,8 +91,8 @@ class IndexJob(ChunkJob):
 
     @property
     def whitening_url(self) -> str:
-        """The whitening factors beside the index (`IndexRef.whitening_url`)."""
-        return self.path(WHITENING_FILE)
+        """The whitening factors in the index's group (`IndexRef.whitening_url`)."""
+        return storage.join(self.url, WHITENING_FILE)
 
     def open(self) -> "IndexWorker":
         return IndexWorker(self)
@@ -199,10 +199,12 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
         return {"url": loc.path("skipped.json"), "fingerprint": loc.key, "shape": (n_train, im.factor_dim), "dtype": str(im.objective.space.dtype).removeprefix("torch."), "bytes_per_row": 0, **skipped}
     job = IndexJob(stage, index_chunk_rows(n_train, layout.row_bytes, stage.compute.train_chunk_rows), layout.side)
     work = Work()
-    if layout.side is not None:  # factored once here, for the workers and every later query
-        keep_whitening(index_projection(im, stage.data, stage.store.options, layout.side), job.whitening_url, stage.store.options)
     plan = self_influence_plan(job, 0, lambda: im, stage.aggregate, None, work)  # no queries here: auto's sketch takes self_influence_rank
     _create(job, layout.dim, layout.dtype, plan is not None, im.objective.space.dtype)
+    # factored once here, for the workers and every later query; written anew (a first attempt's were lost or
+    # damaged), no chunk of an earlier attempt, projected with other factors, is kept
+    if layout.side is not None and keep_whitening(index_projection(im, stage.data, stage.store.options, layout.side), job.whitening_url, stage.store.options):
+        storage.remove(job.path("done"), job.options)
     n_tasks = math.ceil(n_train / job.rows)
     chunks = job.pending(list(range(n_tasks)))
     if chunks:

@@ -13,6 +13,7 @@ from torch import nn
 from . import storage
 from ... import examples
 from ...batches import ArrayBatches, Batches, TensorBatches
+from ...errors import ConfigError
 from ...contraction import Rows, stream_rows
 from ...index_projection import IndexProjection
 from ...methods import InfluenceFunctionModel, KfacInfluence
@@ -102,8 +103,19 @@ def index_projection(im: InfluenceFunctionModel, data: DataRef, options: dict[st
     return IndexProjection(im.gradient_split(x, y), im.row_order, side, seed=0, damped=damped, whitening=kept)
 
 
-def keep_whitening(projection: IndexProjection, url: str, options: dict[str, Any]) -> None:
-    """Store a whitened projection's factors (every damped cut's truncated SVD) at `url`, once: the index's workers
-    and every later query load them instead of factoring D^(-1/2) again."""
-    if projection.damped and not storage.exists(url, options):
-        save_tensors(url, {f"{name}/{side}": factor for name, pair in projection.all_whitening().items() for side, factor in zip(("left", "right"), pair)}, options)
+def keep_whitening(projection: IndexProjection, url: str, options: dict[str, Any]) -> bool:
+    """Store a whitened projection's factors (every damped cut's truncated SVD) at `url`, unless factors that load are
+    there already (a resumed index's): the index's workers and every later query load them instead of factoring
+    D^(-1/2) again. Whether they were written now."""
+    if not projection.damped or _loads(url, options):
+        return False
+    save_tensors(url, {f"{name}/{side}": factor for name, pair in projection.all_whitening().items() for side, factor in zip(("left", "right"), pair)}, options)
+    return True
+
+
+def _loads(url: str, options: dict[str, Any]) -> bool:
+    try:
+        load_state(url, options, field="index_whitening")
+    except ConfigError:  # absent, cut short or overwritten
+        return False
+    return True

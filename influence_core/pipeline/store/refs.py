@@ -38,7 +38,7 @@ class StageRef(Ref):
     parameters: dict[str, Any] = {}  # fit_preconditioner: the parameters attributed, excluded and frozen (InfluenceFunctionModel.attributed_parameters)
 
 
-WHITENING_FILE = "whitening.pt"  # beside a whitened compressed index's group, in its stage directory
+WHITENING_FILE = "whitening.pt"  # in a whitened compressed index's group: in its inventory, so a damaged one is found
 
 
 class FactorsRef(StageRef):
@@ -138,8 +138,8 @@ class IndexRef(StageRef):
 
     @property
     def whitening_url(self) -> str:
-        """Beside the index's group: a whitened (K-FAC/EK-FAC) compressed index's truncated-SVD factors of D^(-1/2)."""
-        return f"{self.url.rsplit('/', 1)[0]}/{WHITENING_FILE}"
+        """In the index's group: a whitened (K-FAC/EK-FAC) compressed index's truncated-SVD factors of D^(-1/2)."""
+        return f"{self.url}/{WHITENING_FILE}"
 
 
 class ValidationRef(StageRef):
