@@ -18,11 +18,7 @@ from influence_core import (
     NumericalError,
     NystroemSketchInfluence,
 )
-from influence_core.blocks import BlockCurvature, layer_blocks
-from influence_core.batches import TensorBatches
-from influence_core.curvature import CurvatureOperator
-from influence_core.objective import Objective
-from tests.problems import Problem, linear_regression, logistic_regression, mean_curvature, mlp
+from tests.problems import ExplicitGaussNewton, Problem, linear_regression, logistic_regression, mean_curvature, mlp
 
 N_QUERIES = 5  # iterative solves cost grows with the number of right-hand sides
 
@@ -77,14 +73,17 @@ def test_hessian_mode_matches_direct_on_mlp(method):
 
 
 def test_lissa_converges_to_direct():
-    """Deterministic (full-batch) LiSSA with scale just above the largest eigenvalue, at enough depth."""
+    """Deterministic (full-batch) LiSSA with scale just above the largest eigenvalue, at enough depth (λ a tenth of
+    the mean curvature: depth 1,200 measured Pearson 0.9987 and relative error 0.048 here; at a hundredth, 5,000
+    steps were needed for 0.99)."""
     pr = logistic_regression()
-    lam = 1e-2 * mean_curvature(pr)
+    lam = 1e-1 * mean_curvature(pr)
     expected = scores(DirectInfluence(pr.model, pr.loss, lam, second_order_mode="gauss_newton"), pr, 3)
     top = ArnoldiInfluence(pr.model, pr.loss, lam, second_order_mode="gauss_newton", rank=1, krylov_dim=30).fit(pr.train)
     scale = 1.05 * (float(top.solvers["all"].values[0]) + lam)
-    im = LissaInfluence(pr.model, pr.loss, lam, second_order_mode="gauss_newton", depth=5000, lissa_batch_size=len(pr.y_train), scale=scale, rtol=1e-10)
-    assert pearson(scores(im, pr, 3), expected) >= 0.99
+    im = LissaInfluence(pr.model, pr.loss, lam, second_order_mode="gauss_newton", depth=1500, lissa_batch_size=len(pr.y_train), scale=scale, rtol=1e-10)
+    got = scores(im, pr, 3)
+    assert pearson(got, expected) >= 0.999 and relative_error(got, expected) < 0.05
 
 
 def test_stochastic_lissa_with_repeats_on_linear_regression():
@@ -155,20 +154,6 @@ def test_gauss_newton_is_averaged_by_examples_not_batches(make):
     assert relative_error(unequal, single) < 1e-9
 
 
-def blockwise_reference(pr: Problem, lams: dict[str, float]) -> torch.Tensor:
-    """Σ_b g_t,bᵀ (C_bb + λ_b I)⁻¹ g_i,b from the explicit Gauss-Newton matrix."""
-    objective = Objective(pr.model, pr.loss)
-    operator = CurvatureOperator(objective, TensorBatches(*pr.train, 1000), "gauss_newton")
-    full = BlockCurvature(operator, slice(0, operator.dim), "all").dense()
-    g_test = objective.per_sample_grads(pr.x_test[:N_QUERIES], pr.y_test[:N_QUERIES])
-    g_train = objective.per_sample_grads(*pr.train)
-    total = torch.zeros(N_QUERIES, len(pr.y_train), dtype=torch.float64)
-    for name, sl in layer_blocks(objective.space).items():
-        block = full[sl, sl] + lams[name] * torch.eye(sl.stop - sl.start, dtype=torch.float64)
-        total += g_test[:, sl] @ torch.linalg.solve(block, g_train[:, sl].T)
-    return total
-
-
 @pytest.mark.parametrize(
     "make",
     [
@@ -185,15 +170,18 @@ def test_regularization_per_block(make):
     base = mean_curvature(pr)
     lams = {"0": 0.5 * base, "2": 5.0 * base}  # the two Linear layers of the Sequential
     got = make(pr, lams).fit(pr.train).influences(pr.x_test[:N_QUERIES], pr.y_test[:N_QUERIES], *pr.train)
-    assert relative_error(got, blockwise_reference(pr, lams)) < 1e-6
+    assert relative_error(got, ExplicitGaussNewton.of(pr, N_QUERIES).influences(lams)) < 1e-6
 
 
 def test_scores_do_not_depend_on_batch_size_or_chunking():
+    """Batches of 300 against batches that do not divide the 300 rows (Arnoldi's 37: 9 batches per product, where
+    7's 43 took 6 s), and scores computed in chunks of 50 training rows; any λ (a tenth of the mean curvature: CG in
+    fewer steps)."""
     pr = mlp()
-    lam = 1e-2 * mean_curvature(pr)
+    lam = 1e-1 * mean_curvature(pr)
     x_t, y_t = pr.x_test[:N_QUERIES], pr.y_test[:N_QUERIES]
     for make, small in (
-        (lambda b: ArnoldiInfluence(pr.model, pr.loss, lam, second_order_mode="gauss_newton", rank=30, krylov_dim=80, batch_size=b), 7),
+        (lambda b: ArnoldiInfluence(pr.model, pr.loss, lam, second_order_mode="gauss_newton", rank=30, krylov_dim=80, batch_size=b), 37),
         (lambda b: CgInfluence(pr.model, pr.loss, lam, second_order_mode="gauss_newton", rtol=1e-12, batch_size=b), 64),
         (lambda b: DataInfInfluence(pr.model, pr.loss, lam, batch_size=b, block_structure="full"), 7),
     ):
