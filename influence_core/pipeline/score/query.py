@@ -10,6 +10,8 @@ the candidates are scored as the scan scores them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,14 +112,26 @@ def scan_top_k(index: IndexRef, factors: torch.Tensor, top_k: int, options: dict
     """Each query's exact top-k: every row of the index scored, a chunk at a time (one GEMM each)."""
     features = storage.open_array(index.array("features"), options)
     best = _Running(len(factors), top_k)
-    step = features.chunks[0]
-    for lo in range(0, features.shape[0], step):
-        block = np.asarray(features[lo : lo + step])
+    for lo, block in read_ahead(features):
         work.index_rows += len(block)
         work.index_bytes += block.nbytes
         work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
         best.add((factors @ torch.from_numpy(block).to(device=factors.device, dtype=factors.dtype).T).float(), lo)
     return best.arrays()
+
+
+def read_ahead(features: Any) -> Iterator[tuple[int, np.ndarray]]:
+    """The array's row chunks in order, each with its first row, the next one read (in a thread) while the caller
+    scores this one: the scan overlaps the disk with the GEMMs, and holds two chunks."""
+    step = features.chunks[0]
+    starts = range(0, features.shape[0], step)
+    with ThreadPoolExecutor(1, thread_name_prefix="index-read") as pool:
+        reading = pool.submit(lambda: np.asarray(features[0:step]))
+        for lo in starts:
+            block = reading.result()
+            if lo + step < features.shape[0]:
+                reading = pool.submit(lambda at=lo + step: np.asarray(features[at : at + step]))
+            yield lo, block
 
 
 QUERY_BLOCK = 1024  # queries whose candidates' vectors are read back and scored at once
