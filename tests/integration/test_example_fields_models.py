@@ -66,9 +66,9 @@ def test_bert_on_fields_of_a_saved_hf_dataset_equals_the_library(tmp_path):
     assert_scores_equal(arrays["scores"], library_scores(model, "cross_entropy", data))
 
 
-def gpt2_run(tmp_path, name: str, ids: np.ndarray, mask: np.ndarray, checkpoint: str, cluster: str = "local") -> np.ndarray:  # type: ignore[no-untyped-def]
-    """The flow's scores of the checkpointed GPT-2 on one Parquet file of padded windows (the last 4 held out), on a
-    local cluster (or `cluster`), checked against the library's."""
+def gpt2_run(tmp_path, name: str, ids: np.ndarray, mask: np.ndarray, checkpoint: str) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """The flow's scores of the checkpointed GPT-2 on one Parquet file of padded windows (the last 4 held out), in
+    this process, checked against the library's."""
     import pyarrow.parquet as pq
 
     folder = tmp_path / name
@@ -78,7 +78,7 @@ def gpt2_run(tmp_path, name: str, ids: np.ndarray, mask: np.ndarray, checkpoint:
     params = small_params(
         str(tmp_path / f"out-{name}"), dataset={"source": "parquet", "path": str(folder), "inputs": ["input_ids", "attention_mask"], "target": "input_ids", "chunk_rows": 8},
         model={"factory": "tests.plugin_models:gpt2_fields", "options": {"n_layer": 1, "n_embd": 16, "n_positions": 8}, "task": "language_modelling", "checkpoint": checkpoint},
-        method=CG, compute={"cluster": cluster, "n_workers": 2, "train_chunk_rows": 8}, aggregate={"top_k": 3, "report_queries": 2},
+        method=CG, compute={"cluster": "sequential", "train_chunk_rows": 8}, aggregate={"top_k": 3, "report_queries": 2},
     )
     influence_run(**params.sections())
     group, arrays = read_outputs(params.store())
@@ -90,17 +90,18 @@ def gpt2_run(tmp_path, name: str, ids: np.ndarray, mask: np.ndarray, checkpoint:
 
 def test_padded_gpt2_from_parquet_equals_the_library_and_ignores_padding(tmp_path):
     """Labels are the ids with padding masked; other token ids under mask 0 give the same scores, while a changed
-    token under mask 1 changes them (those two runs sequential: every cluster kind gives the same bits)."""
+    token under mask 1 changes them (the runs in this process: GPT-2 on a local cluster is
+    test_real_models.py's)."""
     torch.manual_seed(0)
     torch.save(gpt2_fields(n_layer=1, n_embd=16, n_positions=8).state_dict(), tmp_path / "gpt2.pt")
     ids, mask = padded_tokens(20, 8, 64, 1)
     scores = gpt2_run(tmp_path, "padded", ids, mask, str(tmp_path / "gpt2.pt"))
     other = np.where(mask == 0, (ids * 7 + 5) % 63 + 1, ids)
     assert (other != ids).any()
-    np.testing.assert_allclose(gpt2_run(tmp_path, "other-padding", other, mask, str(tmp_path / "gpt2.pt"), "sequential"), scores, rtol=1e-6, atol=1e-6 * float(np.abs(scores).max()))
+    np.testing.assert_allclose(gpt2_run(tmp_path, "other-padding", other, mask, str(tmp_path / "gpt2.pt")), scores, rtol=1e-6, atol=1e-6 * float(np.abs(scores).max()))
     changed = ids.copy()
     changed[0, 0] = changed[0, 0] % 63 + 1
-    assert not np.allclose(gpt2_run(tmp_path, "changed-token", changed, mask, str(tmp_path / "gpt2.pt"), "sequential"), scores, rtol=1e-3)
+    assert not np.allclose(gpt2_run(tmp_path, "changed-token", changed, mask, str(tmp_path / "gpt2.pt")), scores, rtol=1e-3)
 
 
 def test_a_language_model_without_model_task_is_attributed_as_one(tmp_path):
