@@ -17,6 +17,8 @@ from influence_core.pipeline.score import scoring
 from influence_core.pipeline.store import storage
 from influence_core.pipeline.runtime.cluster import dask_client
 from influence_core.pipeline.score.score_input import ScoringInput
+from influence_core.errors import ConfigError
+from influence_core.pipeline.score.query import answer, query_arrays
 from influence_core.pipeline.store.loading import index_projection, load_influence_model
 from tests.helpers import assert_same_outputs, read_outputs, small_params
 from tests.integration.test_engine import upstream
@@ -126,7 +128,6 @@ def test_query_answers_new_queries_from_the_index_alone(tmp_path, prefect_api):
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from influence_core.pipeline.score.query import answer, query_arrays
 
     run_a = _npz_params(tmp_path, "a", slice(0, 10))
     influence_run(**run_a.sections())
@@ -249,6 +250,10 @@ def test_a_damaged_whitening_is_found_and_the_index_written_again(tmp_path, pref
     assert outcomes.pop("index_training") == "computed" and set(outcomes.values()) <= {"cached", "found complete"}
     assert again["stages"]["index_training"]["chunks_computed"] == again["stages"]["index_training"]["n_chunks"] == 4
     assert_same_outputs(params.store(), expected)
+    whitening.write_bytes(b"#" * whitening.stat().st_size)  # overwritten at its size: the inventory cannot tell
+    x, y = load_digits(return_X_y=True)
+    with pytest.raises(ConfigError, match=r"^index_training: the training index's whitening factors at .* are damaged .* Fix: delete .*/stages/index_training/\w+ and run again"):
+        answer(params.store(), torch.from_numpy(x[-3:].astype(np.float32)), y[-3:], top_k=3)  # new queries: refused in one line, never scored with other factors
 
 
 def test_direct_over_budget_is_not_compressed(tmp_path):

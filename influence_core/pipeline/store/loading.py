@@ -98,7 +98,7 @@ def index_projection(im: InfluenceFunctionModel, data: DataRef, options: dict[st
     damped = {layer.name: im.solvers[layer.block].damped(im.objective.space.dtype) for layer in im.layers} if isinstance(im, KfacInfluence) else None  # type: ignore[attr-defined]
     kept = None
     if whitening_url is not None and damped and storage.exists(whitening_url, options):
-        state = load_state(whitening_url, options, field="index_whitening")
+        state = _whitening_state(whitening_url, options)
         kept = {name: (state[f"{name}/left"], state[f"{name}/right"]) for name in damped}
     return IndexProjection(im.gradient_split(x, y), im.row_order, side, seed=0, damped=damped, whitening=kept)
 
@@ -113,9 +113,19 @@ def keep_whitening(projection: IndexProjection, url: str, options: dict[str, Any
     return True
 
 
+def _whitening_state(url: str, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The factors an index keeps; refused in one line, saying how to rebuild the index, when they do not load (a
+    file overwritten at its size, which the stage's inventory cannot tell)."""
+    try:
+        return load_state(url, options, field="index_training")
+    except ConfigError as exc:
+        stage_dir = url.rsplit("/", 2)[0]
+        raise ConfigError("index_training", f"the training index's whitening factors at {url} are damaged ({exc.problem})", f"delete {stage_dir} and run again: the index is rebuilt") from None
+
+
 def _loads(url: str, options: dict[str, Any]) -> bool:
     try:
-        load_state(url, options, field="index_whitening")
+        _whitening_state(url, options)
     except ConfigError:  # absent, cut short or overwritten
         return False
     return True
