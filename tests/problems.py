@@ -119,16 +119,21 @@ def adam_cnn() -> Problem:
     return adam_digits("CNN 2×conv4 + linear (tanh, Adam)", model, image=True)
 
 
-def mean_curvature(problem: Problem, mode: str = "gauss_newton") -> float:
-    """trace(C)/p, to choose λ relative to the curvature's scale."""
+def dense_curvature(problem: Problem, mode: str = "gauss_newton") -> torch.Tensor:
+    """The training set's curvature matrix C (p × p, dense), built from its matrix-vector products."""
+    from influence_core.batches import TensorBatches
     from influence_core.blocks import BlockCurvature
     from influence_core.curvature import CurvatureOperator
     from influence_core.objective import Objective
-    from influence_core.batches import TensorBatches
 
-    obj = Objective(problem.model, problem.loss)
-    op = CurvatureOperator(obj, TensorBatches(problem.x_train, problem.y_train, 1024), mode)
-    return float(BlockCurvature(op, slice(0, op.dim), "all").dense().trace()) / op.dim
+    op = CurvatureOperator(Objective(problem.model, problem.loss), TensorBatches(problem.x_train, problem.y_train, 1024), mode)
+    return BlockCurvature(op, slice(0, op.dim), "all").dense()
+
+
+def mean_curvature(problem: Problem, mode: str = "gauss_newton") -> float:
+    """trace(C)/p, to choose λ relative to the curvature's scale."""
+    matrix = dense_curvature(problem, mode)
+    return float(matrix.trace()) / len(matrix)
 
 
 @dataclass(frozen=True)
@@ -143,16 +148,18 @@ class ExplicitGaussNewton:
 
     @classmethod
     def of(cls, problem: Problem, n_queries: int | None = None) -> "ExplicitGaussNewton":
-        from influence_core.batches import TensorBatches
-        from influence_core.blocks import BlockCurvature, layer_blocks
-        from influence_core.curvature import CurvatureOperator
+        from influence_core.blocks import layer_blocks
         from influence_core.objective import Objective
 
         obj = Objective(problem.model, problem.loss)
-        op = CurvatureOperator(obj, TensorBatches(problem.x_train, problem.y_train, 1000), "gauss_newton")
         queries = slice(0, n_queries)
         g_test = obj.per_sample_grads(problem.x_test[queries], problem.y_test[queries])
-        return cls(BlockCurvature(op, slice(0, op.dim), "all").dense(), g_test, obj.per_sample_grads(*problem.train), layer_blocks(obj.space))
+        return cls(dense_curvature(problem), g_test, obj.per_sample_grads(*problem.train), layer_blocks(obj.space))
+
+    @property
+    def mean_curvature(self) -> float:
+        """trace(C)/p, as `mean_curvature(problem)`, from the matrix already built."""
+        return float(self.matrix.trace()) / len(self.matrix)
 
     def influences(self, lams: dict[str, float] | float, layer_wise: bool = True) -> torch.Tensor:
         """Σ_b g_t,bᵀ (C_bb + λ_b I)⁻¹ g_i,b over the layer blocks (λ per block or one), or over one block of all."""

@@ -3,6 +3,7 @@ solvers against each other, and the subprocess wrapper's failure reporting (benc
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -41,9 +42,13 @@ def reference(workload: Path, matrix: str, solver: str, out: Path, *options: str
 @pytest.fixture(scope="module")
 def direct(workload: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], np.ndarray]:
     """The reference's float64 Direct solve of each matrix, computed once for the module's tests (a subprocess each)."""
-    solved: dict[str, np.ndarray] = {}
     out = tmp_path_factory.mktemp("direct")
-    return lambda matrix: solved.get(matrix) if matrix in solved else solved.setdefault(matrix, reference(workload, matrix, "direct", out / f"{matrix}.npy"))
+
+    @functools.cache
+    def solve(matrix: str) -> np.ndarray:
+        return reference(workload, matrix, "direct", out / f"{matrix}.npy")
+
+    return solve
 
 
 def test_prepare_is_deterministic_and_reused(workload: Path, tmp_path: Path) -> None:
