@@ -5,7 +5,9 @@ command exits 128 + the signal's number, never 0.
 Without this, SIGTERM ends Python without unwinding: Prefect's SIGTERM bridge raises `TerminationSignal`, then
 re-sends SIGTERM to the default handler, so `atexit`, which stops the temporary server, never runs and the server
 is orphaned. A signal whose exception is swallowed (raised inside a finaliser: "Exception ignored ...") is still
-seen through the wakeup fd, so an interrupted run never reports success.
+seen through the wakeup fd, so an interrupted run never reports success. So is one taken by another handler: during
+a flow run, Prefect's SIGTERM bridge replaces ours, and its `TerminationSignal` can be swallowed the same way; the
+stage boundaries read the wakeup fd, so such a run stops before it publishes.
 """
 
 from __future__ import annotations
@@ -35,15 +37,24 @@ class Interrupted(BaseException):
 
 
 class _Received:
-    """The signals seen so far; only the first raises, so a second Ctrl-C does not break the clean-up."""
+    """The signals seen so far; only the first raises, so a second Ctrl-C does not break the clean-up. `wake_fd`
+    holds every signal's number as well, whichever handler took it (Prefect's SIGTERM bridge, during a flow run)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake_fd: int) -> None:
         self.signals: list[int] = []
+        self.written: list[int] = []
+        self.wake_fd = wake_fd
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.signals.append(signum)
         if len(self.signals) == 1:
             raise Interrupted(signum)
+
+    def first(self) -> int | None:
+        """The first signal seen, by our handler or through the wakeup fd; None when there was none."""
+        self.written += _drain(self.wake_fd)
+        seen = self.signals or self.written
+        return seen[0] if seen else None
 
 
 _ACTIVE: list[_Received] = []  # the signals seen by the innermost `interruptible` block
@@ -53,8 +64,9 @@ def raise_if_interrupted() -> None:
     """Between stages: a signal whose exception was swallowed mid-stage (raised inside a finaliser, or in a callback
     that catches everything) still stops the run here, before the next stage or the publish, so an interrupted run
     never goes on to look complete. Outside an `interruptible` block (a worker's flow run), nothing to check."""
-    if _ACTIVE and _ACTIVE[-1].signals:
-        raise Interrupted(_ACTIVE[-1].signals[0])
+    signum = _ACTIVE[-1].first() if _ACTIVE else None
+    if signum is not None:
+        raise Interrupted(signum)
 
 
 @contextmanager
@@ -64,18 +76,18 @@ def interruptible(before_stop: Callable[[], object] = lambda: None) -> Iterator[
     Only in the main thread (signal handlers live there)."""
     me = psutil.Process()
     before = {child.pid for child in me.children(recursive=True)}  # not ours to stop (e.g. a test's own cluster)
-    received = _Received()
-    _ACTIVE.append(received)
-    previous = {signum: signal.signal(signum, received) for signum in SIGNALS}
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
     os.set_blocking(wake_write, False)
+    received = _Received(wake_read)
+    _ACTIVE.append(received)
+    previous = {signum: signal.signal(signum, received) for signum in SIGNALS}
     previous_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
     try:
         yield
-        swallowed = _drain(wake_read)
-        if received.signals or swallowed:
-            raise Interrupted((received.signals or swallowed)[0])
+        signum = received.first()
+        if signum is not None:
+            raise Interrupted(signum)
     except Interrupted:
         try:
             before_stop()

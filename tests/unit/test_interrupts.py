@@ -8,6 +8,9 @@ import signal
 
 import pytest
 
+from prefect.exceptions import TerminationSignal
+from prefect.utilities.engine import capture_sigterm
+
 from flows.interrupts import Interrupted, interruptible, raise_if_interrupted
 
 
@@ -23,6 +26,23 @@ def test_a_swallowed_signal_stops_the_run_at_the_next_boundary():
             raise_if_interrupted()
             reached.append("next stage")
     assert reached == ["swallowed"] and raised.value.exit_code == 128 + signal.SIGHUP
+
+
+def test_a_sigterm_swallowed_inside_prefects_bridge_stops_the_run_at_the_next_boundary():
+    """During a flow run Prefect's SIGTERM bridge, not ours, takes SIGTERM: its TerminationSignal swallowed mid-stage
+    must still stop the run before the next stage (a CI run once published status complete, then exited 143)."""
+    reached = []
+    with pytest.raises(Interrupted) as raised:
+        with interruptible():
+            with capture_sigterm():  # as the flow engine installs it around a flow run
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    signal.pthread_sigmask(signal.SIG_BLOCK, [])
+                except TerminationSignal:
+                    reached.append("swallowed")
+                raise_if_interrupted()
+                reached.append("next stage")
+    assert reached == ["swallowed"] and raised.value.exit_code == 128 + signal.SIGTERM
 
 
 def test_no_signal_no_stop():
