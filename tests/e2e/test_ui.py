@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from influence_core.pipeline.store import storage
 
@@ -61,7 +62,11 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
     projection = page.get_by_text("Gradient projection (Optional)", exact=True).locator(CONTAINER)
     assert page.get_by_text(none_switch).count() == projection.get_by_text(none_switch).count() == 1
     page.get_by_role("button", name="Submit").click()
-    page.wait_for_url(re.compile(r".*/deployments/deployment/[0-9a-f-]+(\?tab=Runs)?$"), timeout=60_000)  # back on the deployment
+    try:
+        page.wait_for_url(re.compile(r".*/deployments/deployment/[0-9a-f-]+(\?tab=Runs)?$"), timeout=60_000)  # back on the deployment
+    except PlaywrightTimeout:  # what the form shows instead (a validation message, an error toast), for the failure report
+        page.screenshot(path=str(tmp_path / "submit-timeout.png"), full_page=True)
+        pytest.fail(f"the form did not return to the deployment within 60 s; the page ({tmp_path / 'submit-timeout.png'}) reads: {page.inner_text('body')[:3000]}")
 
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
