@@ -109,3 +109,35 @@ def test_weighted_training_is_the_replay_at_those_weights() -> None:
     _, final = Replay(_model(), Classification(), RECIPE, x, y).checkpoints(mask)
     for name, p in trained.named_parameters():
         torch.testing.assert_close(final.params[name], p.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_a_language_models_scores_equal_finite_differences_of_retraining() -> None:
+    """The pipeline's own transformer (attention, layer norm, embeddings) as a float64 language model: MAGIC's scores
+    against central finite differences of `train` with perturbed loss weights, the counterfactual it linearises."""
+    from influence_core.pipeline.model.transformer import TokenTransformer
+    from influence_core.task import LanguageModelling
+
+    g = torch.Generator().manual_seed(0)
+    vocab, context, n = 11, 6, 10
+    x, xq = torch.randint(0, vocab, (n, context), generator=g), torch.randint(0, vocab, (3, context), generator=g)
+    y, yq = torch.roll(x, -1, 1), torch.roll(xq, -1, 1)
+    task, recipe = LanguageModelling(), AdamRecipe(epochs=2, batch_size=4, learning_rate=1e-2, weight_decay=1e-3, seed=0, block_rows=8)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(1)
+        return TokenTransformer(vocab, context, 8, 2, 1, vocab, causal=True).double()
+
+    def query_measurements(w: torch.Tensor) -> torch.Tensor:
+        trained = model()
+        train(trained, task, recipe, x, y, weights=w)
+        with torch.no_grad():
+            return task.measurement(task.output(trained(xq)), yq).reshape(len(xq), -1).sum(1)
+
+    result = metagradients(model(), task, recipe, x, y, xq, yq)
+    h, columns = 1e-5, []
+    for i in range(n):
+        up, down = torch.ones(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
+        up[i], down[i] = 1 + h, 1 - h
+        columns.append((query_measurements(up) - query_measurements(down)) / (2 * h))
+    expected = -n * torch.stack(columns, 1)
+    torch.testing.assert_close(result.scores, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
