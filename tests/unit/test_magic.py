@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -43,16 +44,22 @@ def _retrained_query_losses(w: torch.Tensor, recipe: AdamRecipe = RECIPE) -> tor
         return task.loss(model(xq), yq)
 
 
-def test_scores_equal_finite_differences_of_retraining() -> None:
-    x, y, xq, yq = _problem()
-    result = metagradients(_model(), Classification(), RECIPE, x, y, xq, yq)
-    h, n = 1e-5, len(y)
+def _central_difference_scores(retrained: Callable[[torch.Tensor], torch.Tensor], n: int, h: float = 1e-5) -> torch.Tensor:
+    """The scores' reference, −n ∂m/∂w_i: central differences of `retrained(w)` (the queries' measurements after
+    training with loss weights w) at w = 1, one weight moved by ±h at a time."""
     columns = []
     for i in range(n):
         up, down = torch.ones(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
         up[i], down[i] = 1 + h, 1 - h
-        columns.append((_retrained_query_losses(up) - _retrained_query_losses(down)) / (2 * h))
-    expected = -n * torch.stack(columns, 1)
+        columns.append((retrained(up) - retrained(down)) / (2 * h))
+    return -n * torch.stack(columns, 1)
+
+
+def test_scores_equal_finite_differences_of_retraining() -> None:
+    x, y, xq, yq = _problem()
+    result = metagradients(_model(), Classification(), RECIPE, x, y, xq, yq)
+    n = len(y)
+    expected = _central_difference_scores(_retrained_query_losses, n)
     torch.testing.assert_close(result.scores, expected, rtol=1e-5, atol=1e-7 * float(expected.abs().max()))
     assert result.work.reverse_steps == RECIPE.steps(n) == 3 * 4  # batches of 4, 4, 4 and 2 per epoch
 
@@ -134,10 +141,5 @@ def test_a_language_models_scores_equal_finite_differences_of_retraining() -> No
             return task.measurement(task.output(trained(xq)), yq).reshape(len(xq), -1).sum(1)
 
     result = metagradients(model(), task, recipe, x, y, xq, yq)
-    h, columns = 1e-5, []
-    for i in range(n):
-        up, down = torch.ones(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
-        up[i], down[i] = 1 + h, 1 - h
-        columns.append((query_measurements(up) - query_measurements(down)) / (2 * h))
-    expected = -n * torch.stack(columns, 1)
+    expected = _central_difference_scores(query_measurements, n)
     torch.testing.assert_close(result.scores, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
