@@ -144,6 +144,14 @@ class Objective:
             )
         return out.detach()
 
+    def summed_gradient(self, x: examples.Inputs, y: torch.Tensor) -> torch.Tensor:
+        """The flat gradient of the sum of the examples' own losses (each row's loss computed alone), by plain autograd:
+        torch.func.grad's first call in a process imports torch._dynamo (~1 s), which a query-only run need not pay."""
+        live = {name: p.detach().requires_grad_(True) for name, p in self.params.items()}
+        total = sum(self.batch_loss(live, examples.take(x, slice(i, i + 1)), y[i : i + 1]) for i in range(examples.count(x)))
+        grads = torch.autograd.grad(total, list(live.values()), allow_unused=True)
+        return self.space.flatten({name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(live.items(), grads)})
+
     def _check_per_example(self, out: torch.Tensor, y: torch.Tensor) -> None:
         """The task's loss and measurement give one value per example of the batch (a batch's scalar would scale the
         scores by 1/n and leave self-influence inconsistent with them); refused naming the `task` otherwise."""
