@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from dask.system import CPU_COUNT
 from prefect import get_client
 from pydantic import ValidationError
 from scipy.stats import spearmanr
@@ -70,6 +71,7 @@ def test_lds_equals_an_independent_computation(validated) -> None:
     assert validation["lds_mean"] == pytest.approx(np.mean(expected))
     assert validation["lds_stderr"] == pytest.approx(np.std(expected, ddof=1) / np.sqrt(spec.queries))
     assert validation["subsets_computed"] == spec.subsets and validation["queries"] == spec.queries
+    assert validation["concurrent_retrainings"] == 1  # the sequential cluster: one after another here
     assert validation["lds_mean"] > 0.3  # exact influence on logistic regression predicts its retrainings
     stored = json.loads(Path(run.output_url, "summary.json").read_text())["validation"]
     assert stored["lds_per_query"] == validation["lds_per_query"]
@@ -94,6 +96,7 @@ def test_a_stopped_validation_retrains_only_the_missing_subsets_on_a_dask_cluste
     again = influence_run(**run.sections())
     assert again["stages"]["validate"]["outcome"] == "computed"
     assert again["validation"]["subsets_computed"] == 3
+    assert again["validation"]["concurrent_retrainings"] == min(2, max(1, CPU_COUNT // run.compute.torch_threads))  # never more threads than cores
     assert again["validation"]["lds_per_query"] == first["validation"]["lds_per_query"]
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from distributed import Client, as_completed
+from distributed import Client
 
 from ..store import storage
 from ...batches import Batches
@@ -26,6 +26,7 @@ from ...self_influence import SelfInfluencePlan
 from ...work import Work
 from ..store.loading import load_influence_model, open_data, read_factors, train_batches
 from .score_input import Member, ScoringInput
+from ..runtime.cluster import task_slots, throttled
 from ..runtime.threads import TASK_THREADS, torch_threads
 
 Progress = Callable[[int, int], None]
@@ -101,6 +102,11 @@ class ChunkJob(ABC):
     def influence_url(self) -> str:
         return self.stage.store.influence_url
 
+    @property
+    def task_threads(self) -> int:
+        """Torch threads of one task: the cluster runs at most its cores // this many at once (`task_slots`)."""
+        return TASK_THREADS
+
     def path(self, *parts: str) -> str:
         """A file of the stage's own directory (markers, parts, plans)."""
         return storage.join(self.stage.call.location.url, *parts)
@@ -165,8 +171,7 @@ def execute(job: ChunkJob, chunks: list[int], total: int, client: Client | None,
     if client is None:
         results: Iterator[dict[str, float]] = (chunk_task(job, index) for index in chunks)
     else:
-        futures = client.map(chunk_task, [job] * len(chunks), chunks, pure=False, retries=2)
-        results = (future.result() for future in as_completed(futures))
+        results = (counted for _, counted in throttled(client, chunk_task, [(job, index) for index in chunks], task_slots(client, job.task_threads)))
     for counted in results:
         work += Work(**counted)
         done += 1

@@ -116,6 +116,10 @@ class MagicJob(ChunkJob):
         columns = math.ceil(meta.shape[1] / meta.chunk_grid.chunk_shape[1])
         return {i for i in range(self.stage.n_blocks) if all(meta.encode_chunk_key((i, j)) in present for j in range(columns))}
 
+    @property
+    def task_threads(self) -> int:
+        return self.stage.compute.torch_threads
+
     def score(self, worker: MagicWorker, index: int) -> None:  # type: ignore[override]
         stage = self.stage
         lo, hi = stage.bounds(index)

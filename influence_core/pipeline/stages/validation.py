@@ -15,7 +15,6 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from distributed import as_completed
 
 from ..store import storage
 from ... import examples
@@ -25,6 +24,7 @@ from ..model.models import build_model, load_into, load_state, state_bytes, trai
 from ...objective import Objective
 from ..store.refs import DataRef, ModelRef, StageRef, ValidationRef
 from ..specs import ComputeSpec, ModelSpec, TrainingSpec, ValidationSpec
+from ..runtime.cluster import task_slots, throttled
 from ..runtime.threads import torch_threads
 from ..store.loading import load_model, open_data
 from ..store.stage import StageCall, StageInput, StageLocation, stage_key
@@ -126,15 +126,14 @@ def _stored(job: ValidationJob, index: int) -> list[float] | None:
     return values if isinstance(values, list) and len(values) == job.queries else None
 
 
-def _measure(job: ValidationJob, pending: list[int], client: Any, on_progress: Progress | None) -> Iterator[tuple[int, tuple[list[float], bool]]]:
-    """Measure the pending subsets (retraining those not stored), on the cluster or here, yielding (index,
-    (measurements, trained now)) as each finishes."""
+def _measure(job: ValidationJob, pending: list[int], client: Any, slots: int, on_progress: Progress | None) -> Iterator[tuple[int, tuple[list[float], bool]]]:
+    """Measure the pending subsets (retraining those not stored), on the cluster, `slots` at a time, or here,
+    yielding (index, (measurements, trained now)) as each finishes."""
     done = job.spec.subsets - len(pending)
     if client is None:
         results: Iterator[tuple[int, tuple[list[float], bool]]] = ((i, measure_subset(job, i)) for i in pending)
     else:
-        futures = {client.submit(measure_subset, job, i, pure=False, retries=2): i for i in pending}
-        results = ((futures[f], f.result()) for f in as_completed(futures))
+        results = ((pending[k], outcome) for k, outcome in throttled(client, measure_subset, [(job, i) for i in pending], slots))
     for index, outcome in results:
         done += 1
         if on_progress:
@@ -145,10 +144,11 @@ def _measure(job: ValidationJob, pending: list[int], client: Any, on_progress: P
 def _validate(job: ValidationJob, model: ModelRef, scores: StageRef, store: RunStore, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
     measured = {i: values for i in range(job.spec.subsets) if (values := _stored(job, i)) is not None}
     pending = [i for i in range(job.spec.subsets) if i not in measured]
-    trained = 0
+    trained, slots = 0, 0
     if pending:
         with client_factory() as client:
-            for index, (values, now) in _measure(job, pending, client, on_progress):
+            slots = 1 if client is None else task_slots(client, job.threads)
+            for index, (values, now) in _measure(job, pending, client, slots, on_progress):
                 measured[index], trained = values, trained + now
     masks = np.stack([subset_mask(job.spec, i, job.data.n_train) for i in range(job.spec.subsets)])
     table = np.array([measured[i] for i in range(job.spec.subsets)])
@@ -163,6 +163,7 @@ def _validate(job: ValidationJob, model: ModelRef, scores: StageRef, store: RunS
     return {
         "url": url, "fingerprint": loc.key, "shape": (job.queries,), "dtype": "float64", **result,
         "subsets": job.spec.subsets, "subsets_computed": len(pending), "fraction": job.spec.fraction, "queries": job.queries,
+        "concurrent_retrainings": slots,
         "work": {"trainings": trained, "training_rows": trained * _rows_trained(job, masks[0]) * job.training.epochs, "measured_subsets": len(pending)},
     }
 

@@ -20,7 +20,7 @@ from .run_store import RunStore
 
 SCHEMA_VERSION = 1
 REPAIR_FIX = "run the pipeline there again with the same parameters (it recomputes what is damaged), or replace the run with --overwrite"
-VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "slope", "pearson", "subsets", "subsets_computed", "fraction", "queries")
+VALIDATION_FIELDS = ("lds_mean", "lds_stderr", "lds_per_query", "slope", "pearson", "subsets", "subsets_computed", "fraction", "queries", "concurrent_retrainings")
 PACKAGES = ("influence-pipeline", "torch", "numpy", "zarr", "dask", "distributed", "s3fs", "prefect")
 
 

@@ -155,3 +155,4 @@ class ValidationRef(StageRef):
     subsets_computed: int
     fraction: float
     queries: int
+    concurrent_retrainings: int = 0  # retrainings run at once on the cluster (runtime.cluster.task_slots); 0: none this run
