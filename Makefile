@@ -43,12 +43,14 @@ serve: $(STAMP)
 # Agreement, leave-one-out and mislabels (quality.py), then the LDS of every method and the peers' (lds.py: retrained
 # subset models cached under benchmarks/.scratch/lds/, the peers' venvs built on first use under benchmarks/.venvs/), the
 # compressed training index against the exact one on those problems (index_quality.py), then per-token scores on a
-# planted fact (planted_fact.py: the text demo's corpus with one unique sentence, two models)
+# planted fact (planted_fact.py: the text demo's corpus with one unique sentence, two models), then MAGIC beside Direct,
+# EK-FAC and TRAK on the digits MLP and CNN through the pipeline's own validate stage (magic_lds.py, ~17 min)
 quality: $(STAMP)
 	$(BIN)/python benchmarks/quality.py
 	$(BIN)/python benchmarks/lds.py
 	$(BIN)/python benchmarks/index_quality.py
 	$(BIN)/python benchmarks/planted_fact.py
+	$(BIN)/python benchmarks/magic_lds.py
 
 # Side by side with pyDVL 0.10 and Kronfluence 1.0.1 (their venvs are built on first use under benchmarks/.venvs/)
 bench: $(STAMP)

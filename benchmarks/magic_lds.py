@@ -1,0 +1,124 @@
+"""MAGIC beside Direct, EK-FAC and TRAK on the digits MLP and CNN: each method's LDS from the pipeline's own `validate`
+stage (removed rows weighted 0 in the full run's batches, the counterfactual MAGIC linearises), at 90% and 50%
+subsets after the default 60 epochs, and at 50% after 10 epochs.
+
+    .venv/bin/python benchmarks/magic_lds.py [--subsets 64] [--out DIR] [--results DIR]      (make quality)
+
+Every cell is one `influence-pipeline run` (the CLI, a fresh ephemeral Prefect API, a local 2-worker cluster, one
+torch thread per stage); the runs of one problem and recipe share a `storage.cache_url`, so every method is ranked
+against the same retrained models (a finished run under --out is read, not run again). Writes magic_lds.md and
+magic_lds.json to --results: LDS ± s.e., the slope and Pearson correlation of the actual query-loss changes on the
+predicted ones, and MAGIC's seconds against fit_model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).with_name("influence-pipeline"))
+METHODS: dict[str, dict[str, Any]] = {
+    "magic": {"name": "magic", "query_block": 20},
+    "direct": {"name": "direct", "regularization": 1e-3},
+    "ekfac": {"name": "ekfac", "regularization": 1e-3},
+    "trak": {"name": "direct", "regularization": 1e-3, "projection": {"kind": "gaussian", "dim": 256}},
+}
+CELLS = [(60, 0.9), (60, 0.5), (10, 0.5)]  # (epochs, subset fraction)
+
+
+def digits_images(path: Path) -> None:
+    """The digits source's split (test 20%, seed 0, stratified), its first 1,000 training and 40 query rows, as 1×8×8 images."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split((x / 16.0).astype(np.float32).reshape(-1, 1, 8, 8), y, test_size=0.2, random_state=0, stratify=y)
+    np.savez(path, x_train=x_tr[:1000], y_train=y_tr[:1000], x_test=x_te[:40], y_test=y_te[:40])
+
+
+def problems(out: Path) -> dict[str, dict[str, Any]]:
+    images = out / "digits_images.npz"
+    if not images.exists():
+        digits_images(images)
+    return {
+        "MLP": {"dataset": {"source": "digits", "n_train": 1000, "n_test": 40}, "model": {"architecture": "mlp"}},
+        "CNN": {"dataset": {"source": "npz", "path": str(images)}, "model": {"architecture": "cnn"}},
+    }
+
+
+def cell(out: Path, problem: str, base: dict[str, Any], epochs: int, fraction: float, method: str, subsets: int) -> dict[str, Any]:
+    """One run (or its finished summary): the validation and the seconds of fit_model and of the method's stages."""
+    name = f"{problem}-e{epochs}-f{fraction}-{method}"
+    run = out / "runs" / name
+    if not (run / "summary.json").exists():
+        config = {
+            **base, "method": METHODS[method], "training": {"epochs": epochs}, "output_url": str(run),
+            "compute": {"cluster": "local", "n_workers": 2, "torch_threads": 1}, "aggregate": {"top_k": 5, "self_influence": "off"},
+            "validation": {"subsets": subsets, "fraction": fraction, "queries": 40, "counterfactual": "weights"},
+            "storage": {"cache_url": str(out / f"cache-{problem}-e{epochs}")},
+        }
+        path = out / "configs" / f"{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(config))
+        subprocess.run([CLI, "run", "-c", str(path)], check=True, capture_output=True)
+    summary = json.loads((run / "summary.json").read_text())
+    stages = summary["stages"]
+    method_stages = ("fit_preconditioner", "index_training", "compute_test_factors", "compute_influences")
+    return {
+        "problem": problem, "epochs": epochs, "fraction": fraction, "method": method, **{k: summary["validation"][k] for k in ("lds_mean", "lds_stderr", "slope", "pearson")},
+        "fit_model_seconds": stages["fit_model"]["seconds"], "fit_model_outcome": stages["fit_model"]["outcome"],
+        "method_seconds": sum(stages[k]["seconds"] for k in method_stages if k in stages and stages[k]["outcome"] == "computed"),
+        "replayed_steps": stages["compute_influences"].get("work", {}).get("replayed_steps", 0),
+        "commit": summary.get("commit"), "finished_at": summary["finished_at"],
+    }
+
+
+def table(rows: list[dict[str, Any]], subsets: int) -> list[str]:
+    lines = [f"| LDS (± s.e.), slope, Pearson ({subsets} subsets) | " + " | ".join(METHODS) + " |", "|---" * (len(METHODS) + 1) + "|"]
+    for problem in ("MLP", "CNN"):
+        for epochs, fraction in CELLS:
+            found = {r["method"]: r for r in rows if (r["problem"], r["epochs"], r["fraction"]) == (problem, epochs, fraction)}
+            best = max(found.values(), key=lambda r: r["lds_mean"])["method"] if found else None
+            cells = [("**{}**" if m == best else "{}").format(f"{r['lds_mean']:.3f} ± {r['lds_stderr']:.3f}") + f", {r['slope']:.2f}, {r['pearson']:.2f}" if (r := found.get(m)) else "" for m in METHODS]
+            lines.append(f"| {problem}, {epochs} epochs, {fraction:.0%} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for r in rows:
+        if r["method"] == "magic" and r["fit_model_outcome"] == "computed":
+            lines.append(f"- MAGIC, {r['problem']}, {r['epochs']} epochs: {r['method_seconds']:.1f} s ({r['replayed_steps']:,.0f} replayed steps) against fit_model's {r['fit_model_seconds']:.1f} s")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--subsets", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / ".scratch" / "magic_lds")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for problem, base in problems(args.out).items():
+        for epochs, fraction in CELLS:
+            for method in METHODS:
+                rows.append(cell(args.out, problem, base, epochs, fraction, method, args.subsets))
+                print(json.dumps(rows[-1]), flush=True)
+    commits, times = sorted({str(r["commit"]) for r in rows}), sorted(r["finished_at"] for r in rows)
+    lines = [
+        "# MAGIC beside the influence methods (validate's LDS, counterfactual: weights)", "",
+        f"`benchmarks/magic_lds.py` over {len(rows)} runs (their summaries' commit: {', '.join(commits)}; finished {times[0][:16]} to {times[-1][:16]} UTC).", "",
+        *table(rows, args.subsets),
+    ]
+    (args.results / "magic_lds.json").write_text(json.dumps(rows, indent=1))
+    (args.results / "magic_lds.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
