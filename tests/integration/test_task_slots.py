@@ -1,5 +1,7 @@
-"""Tasks of several torch threads never oversubscribe a machine's cores: `task_slots` counts what fits per machine,
-and `throttled` never runs more than that at once (a real LocalCluster of 2 single-threaded workers)."""
+"""How work is placed on a cluster: tasks of several torch threads never oversubscribe a machine's cores (`task_slots`
+counts what fits per machine, `throttled` never runs more than that at once; a real LocalCluster of 2 single-threaded
+workers), and a small index's products stay in the flow's process up to a bound that depends on whether the cluster
+would have to start."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import pytest
 from dask.system import CPU_COUNT
 from distributed import Client
 
-from influence_core.pipeline.runtime.cluster import task_slots, throttled
+from influence_core.pipeline.runtime.cluster import dask_client, is_running, shared_clusters, task_slots, throttled
+from influence_core.pipeline.score.scoring import in_process_flops
+from influence_core.pipeline.specs import ComputeSpec
 
 
 def _interval(i: int) -> tuple[int, float, float]:
@@ -41,3 +45,23 @@ def test_throttled_runs_at_most_slots_tasks_at_once_and_returns_each_result_by_i
         running += step
         most = max(most, running)
     assert most == slots  # 2 workers: with slots 2 both run at once, with 1 never
+
+
+@pytest.mark.parametrize(
+    ("cluster", "workers", "expected"),
+    [("local", 2, 0.5 * 3.0 * 85e9 * 2), ("local", 16, 0.5 * 3.0 * 85e9 * 16 / 15), ("local", 1, float("inf")), ("sequential", 2, 1e11), ("address", 2, 1e11)],
+)
+def test_a_cold_local_cluster_leaves_more_products_to_the_flows_process(cluster: str, workers: int, expected: float) -> None:
+    """Half the break-even F/c = start + F/(w·c) of one core against w workers that would have to start first."""
+    address = {"address": "tcp://127.0.0.1:8786"} if cluster == "address" else {}
+    assert in_process_flops(ComputeSpec(cluster=cluster, n_workers=workers, **address)) == pytest.approx(expected)
+
+
+def test_a_running_shared_cluster_keeps_the_warm_bound() -> None:
+    spec = ComputeSpec(cluster="local", n_workers=2)
+    with shared_clusters():
+        assert not is_running(spec) and in_process_flops(spec) == pytest.approx(255e9)
+        with dask_client(spec, thread_safe=True) as client:
+            assert client is not None and is_running(spec)
+            assert in_process_flops(spec) == 1e11
+    assert not is_running(spec)  # closed with the session

@@ -66,6 +66,13 @@ class _Shared:
 _SHARED = _Shared()
 
 
+def is_running(spec: ComputeSpec) -> bool:
+    """Whether a `shared_clusters()` session already holds a running cluster of this spec (no start to pay)."""
+    with _SHARED.lock:
+        held = _SHARED.clusters.get((ClusterKind(spec.cluster).value, spec.n_workers))
+        return held is not None and held[1].status == "running"
+
+
 @contextmanager
 def shared_clusters() -> Iterator[None]:
     """Within it, the clusters `dask_client` starts stay up for later stages (of any thread of this process) and are

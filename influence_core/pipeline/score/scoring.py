@@ -31,7 +31,8 @@ from ..model.models import load_state
 from ..store.refs import DataRef, IndexRef, ScoresRef
 from ...self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
 from .score_input import Member, ScoringInput, output_bytes
-from ..specs import AggregateSpec, ClusterKind
+from ..runtime.cluster import is_running
+from ..specs import AggregateSpec, ClusterKind, ComputeSpec
 from ...work import Work
 from ...methods import InfluenceFunctionModel
 from ..store.loading import index_projection, load_influence_model, save_tensors
@@ -242,18 +243,29 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
 
 
 IN_PROCESS_INDEX_BYTES = 256 * 2**20  # a small index's products run here: starting workers costs more than its GEMMs,
-IN_PROCESS_FLOPS = 1e11  # ~1.2 s of one core (85 GFLOP/s on the 2-core CI machine), under the ~3 s a local cluster takes to start
+IN_PROCESS_FLOPS = 1e11  # with the cluster up: ~1.2 s of one core (85 GFLOP/s on the 2-core CI machine)
+CORE_FLOPS, CLUSTER_START_SECONDS = 85e9, 3.0  # one core's GEMM rate; a local cluster's start with its workers' imports
 
 
-def in_process(job: ScoreJob) -> bool:
-    """Whether the chunks run in this process, not on the cluster: a small index's products for few queries, on this
-    machine (the cluster's own, so not an `address` cluster's), with the chunk tasks' arithmetic, so the same bits."""
+def in_process_flops(compute: ComputeSpec) -> float:
+    """The most products a small index's scoring runs here: IN_PROCESS_FLOPS when the cluster is up; when it would
+    have to start, half the break-even F/c = start + F/(w·c) of one core against w workers (255 GFLOP for 2)."""
+    if compute.cluster != ClusterKind.local or is_running(compute):
+        return IN_PROCESS_FLOPS
+    workers = compute.n_workers
+    return math.inf if workers == 1 else max(IN_PROCESS_FLOPS, 0.5 * CLUSTER_START_SECONDS * CORE_FLOPS * workers / (workers - 1))
+
+
+def in_process(job: ScoreJob) -> float | None:
+    """The bound in FLOPs under which the chunks run in this process, not on the cluster, when they do (else None): a
+    small index's products for few queries, on this machine (the cluster's own, so not an `address` cluster's), with
+    the chunk tasks' arithmetic, so the same bits."""
     if not isinstance(job, IndexScoreJob) or job.stage.compute.cluster == ClusterKind.address:
-        return False
+        return None
     indexes = [member.index for member in job.stage.members if member.index is not None]
     n_test, n_train = job.stage.layout.n_test, job.stage.data.n_train
-    size = sum(index.bytes_per_row for index in indexes) * n_train
-    return size < IN_PROCESS_INDEX_BYTES and sum(2.0 * n_test * n_train * index.shape[1] for index in indexes) < IN_PROCESS_FLOPS
+    size, bound = sum(index.bytes_per_row for index in indexes) * n_train, in_process_flops(job.stage.compute)
+    return bound if size < IN_PROCESS_INDEX_BYTES and sum(2.0 * n_test * n_train * index.shape[1] for index in indexes) < bound else None
 
 
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
@@ -262,9 +274,9 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
     group = _prepare_arrays(job, with_self_influence)
     layout = job.stage.layout
     chunks = job.pending(list(range(layout.n_tasks)))
-    here = in_process(job)
+    bound = in_process(job)
     if chunks:
-        with nullcontext() if here else client_factory() as client:
+        with nullcontext() if bound is not None else client_factory() as client:
             work += execute(job, chunks, layout.n_tasks, client, on_progress)
     if with_self_influence:
         group["self_influence"].attrs["fingerprint"] = job.key
@@ -276,7 +288,7 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
         "dtype": "float32",
         "n_chunks": layout.n_tasks,
         "chunks_computed": len(chunks),
-        "ran": "in the flow's process (under 256 MiB of index and 100 GFLOP: no workers started)" if here else ClusterKind(job.stage.compute.cluster).value,
+        "ran": ClusterKind(job.stage.compute.cluster).value if bound is None else f"in the flow's process (under 256 MiB of index and {bound / 1e9:,.0f} GFLOP: no workers started)",
         "gradient_rows": work.gradient_rows,
         "work": work.as_dict(),
         "self_influence": described,
