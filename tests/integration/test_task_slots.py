@@ -13,7 +13,7 @@ from dask.system import CPU_COUNT
 from distributed import Client
 
 from influence_core.pipeline.runtime.cluster import dask_client, is_running, shared_clusters, task_slots, throttled
-from influence_core.pipeline.score.scoring import in_process_flops
+from influence_core.pipeline.score.scoring import _ran_here, in_process_flops
 from influence_core.pipeline.specs import ComputeSpec
 
 
@@ -65,3 +65,8 @@ def test_a_running_shared_cluster_keeps_the_warm_bound() -> None:
             assert client is not None and is_running(spec)
             assert in_process_flops(spec) == 1e11
     assert not is_running(spec)  # closed with the session
+
+
+def test_the_summary_says_under_which_bound_the_products_ran_here() -> None:
+    assert _ran_here(255e9) == "in the flow's process (under 256 MiB of index and 255 GFLOP: no workers started)"
+    assert _ran_here(float("inf")) == "in the flow's process (under 256 MiB of index, and one worker would be no faster: no workers started)"

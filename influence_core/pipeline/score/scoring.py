@@ -268,6 +268,12 @@ def in_process(job: ScoreJob) -> float | None:
     return bound if size < IN_PROCESS_INDEX_BYTES and sum(2.0 * n_test * n_train * index.shape[1] for index in indexes) < bound else None
 
 
+def _ran_here(bound: float) -> str:
+    """Where the summary says the chunks ran, when in this process, and under which bound."""
+    limit = ", and one worker would be no faster" if math.isinf(bound) else f" and {bound / 1e9:,.0f} GFLOP"
+    return f"in the flow's process (under 256 MiB of index{limit}: no workers started)"
+
+
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
     work = Work()
     with_self_influence, described = job.before_chunks(work)
@@ -288,7 +294,7 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
         "dtype": "float32",
         "n_chunks": layout.n_tasks,
         "chunks_computed": len(chunks),
-        "ran": ClusterKind(job.stage.compute.cluster).value if bound is None else f"in the flow's process (under 256 MiB of index and {bound / 1e9:,.0f} GFLOP: no workers started)",
+        "ran": ClusterKind(job.stage.compute.cluster).value if bound is None else _ran_here(bound),
         "gradient_rows": work.gradient_rows,
         "work": work.as_dict(),
         "self_influence": described,
