@@ -85,10 +85,19 @@ class DatasetBase(Spec):
     n_test: int | None = Field(None, ge=1, title="Query examples", description="Keep at most this many query examples (all when empty; synthetic: how many to generate).")
     seed: int = Field(0, title="Seed", description="Seed of the split and of generated data.")
     chunk_rows: int = Field(4096, ge=1, title="Rows per chunk", description="Rows per Zarr chunk of the stored arrays.")
+    query_offset: int = Field(
+        0, ge=0, title="Query offset",
+        description="Skip this many query examples before keeping n_test: a later run asks other held-out examples of the same split, "
+        "with the same training rows, so it reuses the training side. Refused where the held-out rows depend on n_test (one set held out at random) and for listed queries.",
+    )
 
     def key_config(self) -> dict[str, Any]:
-        """The settings as the prepare_data key and the run fingerprint hash them (see RETIRED_DATASET_DEFAULTS)."""
-        return {**RETIRED_DATASET_DEFAULTS, **self.model_dump(mode="json")}
+        """The settings as the prepare_data key and the run fingerprint hash them (see RETIRED_DATASET_DEFAULTS);
+        `query_offset` only when set, so the runs stored before it existed keep their keys."""
+        config = {**RETIRED_DATASET_DEFAULTS, **self.model_dump(mode="json")}
+        if not self.query_offset:
+            del config["query_offset"]
+        return config
 
     @property
     def labels_are_inputs(self) -> bool:

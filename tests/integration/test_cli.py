@@ -181,4 +181,4 @@ def test_summary_records_only_the_sources_fields(stored_run):
     summary = json.loads((stored_run / "summary.json").read_text())
     group, _ = read_outputs(RunStore(output_url=str(stored_run)))
     for config in (summary["config"], group.attrs["config"]):
-        assert config["dataset"] == {"source": "digits", "n_train": 240, "n_test": 12, "seed": 0, "chunk_rows": 64, "test_fraction": 0.2}
+        assert config["dataset"] == {"source": "digits", "n_train": 240, "n_test": 12, "seed": 0, "chunk_rows": 64, "query_offset": 0, "test_fraction": 0.2}

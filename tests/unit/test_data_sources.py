@@ -141,3 +141,49 @@ def test_prepare_data_key_hashes_the_flat_spec(tmp_path):
     flat = {"source": "digits", "path": None, "n_train": 50, "n_test": None, "test_fraction": 0.2, "n_features": 20, "n_classes": 2, "noise": 0.1, "seed": 0, "chunk_rows": 4096}
     call = prepare.PrepareInput(DigitsDataset(n_train=50), RunStore(output_url=str(tmp_path))).call
     assert call.key == stage_key("prepare_data", flat, {})
+
+
+def _prepared(tmp_path, name, spec):
+    store = RunStore(output_url=str(tmp_path / name))
+    ref = prepare.run(prepare.PrepareInput(spec, store))
+    return ref, arrays_of(ref, store)
+
+
+@pytest.mark.parametrize("source", ["synthetic", "digits", "python_docs", "npz_split"])
+def test_a_query_offset_asks_the_next_held_out_rows_of_the_same_split(tmp_path, source, xy):
+    """Rows offset..offset + n_test of the queries that n_test = offset + n_test would give, the same training rows
+    (so the training side's stages are reused), across stored blocks smaller than the offset (npz, chunk_rows 16)."""
+    from influence_core.pipeline.specs import DigitsDataset, PythonDocsDataset, SyntheticClassificationDataset
+
+    x, y = xy
+    np.savez(tmp_path / "split.npz", x_train=x[:120], y_train=y[:120], x_test=x[120:], y_test=y[120:])
+    make = {
+        "synthetic": lambda **kw: SyntheticClassificationDataset(n_train=64, n_features=5, **kw),
+        "digits": lambda **kw: DigitsDataset(n_train=64, **kw),
+        "python_docs": lambda **kw: PythonDocsDataset(window=16, n_train=2000, **kw),  # training bytes span the queries': n_classes is counted over both splits
+        "npz_split": lambda **kw: NpzDataset(path=str(tmp_path / "split.npz"), chunk_rows=16, **kw),
+    }[source]
+    whole_ref, whole = _prepared(tmp_path, "whole", make(n_test=50))
+    ref, got = _prepared(tmp_path, "offset", make(n_test=30, query_offset=20))
+    np.testing.assert_array_equal(got["x_test"], whole["x_test"][20:50])
+    np.testing.assert_array_equal(got["y_test"], whole["y_test"][20:50])
+    np.testing.assert_array_equal(got["x_train"], whole["x_train"])
+    assert ref.training.fingerprint == whole_ref.training.fingerprint and ref.fingerprint != whole_ref.fingerprint
+
+
+def test_a_query_offset_is_refused_where_it_would_move_rows_or_skip_every_query(tmp_path, xy):
+    from influence_core.errors import ConfigError
+    from influence_core.pipeline.specs import PythonDocsDataset
+
+    x, y = xy
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    np.savez(tmp_path / "split.npz", x_train=x[:120], y_train=y[:120], x_test=x[120:], y_test=y[120:])
+    cases = [
+        (NpyDataset(path=str(tmp_path), n_test=30, query_offset=10), "^dataset.query_offset: source=npy holds one set, whose query rows are drawn at random"),
+        (PythonDocsDataset(queries=["Return the| value"], query_offset=1), "^dataset.query_offset: the queries are the texts listed in dataset.queries"),
+        (NpzDataset(path=str(tmp_path / "split.npz"), query_offset=80), "^dataset.query_offset: query_offset=80 skips all 80 query examples that source=npz holds here. Fix: set dataset.query_offset below 80"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            _prepared(tmp_path, spec.source, spec)

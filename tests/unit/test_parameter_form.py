@@ -62,7 +62,7 @@ def test_dataset_sources_are_choices_each_with_its_own_fields():
     defs = schema["$defs"]
     assert [v["$ref"].split("/")[-1] for v in schema["properties"]["dataset"]["anyOf"]] == DATASET_DEFS
     sources = {defs[name]["properties"]["source"]["const"]: set(defs[name]["properties"]) for name in DATASET_DEFS}
-    common = {"source", "n_train", "n_test", "seed", "chunk_rows"}
+    common = {"source", "n_train", "n_test", "seed", "chunk_rows", "query_offset"}
     assert sources == {
         "digits": common | {"test_fraction"},
         "synthetic_classification": common | {"n_features", "noise", "n_classes"},
@@ -71,7 +71,7 @@ def test_dataset_sources_are_choices_each_with_its_own_fields():
         "python_docs": common | {"window", "queries"},
     }
     demo = RunParameters().public_config()["dataset"]
-    assert demo == {"source": "digits", "n_train": None, "n_test": None, "seed": 0, "chunk_rows": 4096, "test_fraction": 0.2}
+    assert demo == {"source": "digits", "n_train": None, "n_test": None, "seed": 0, "chunk_rows": 4096, "query_offset": 0, "test_fraction": 0.2}
 
 
 def test_the_server_accepts_each_source_with_its_own_fields_only():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -99,7 +99,7 @@ def _synthetic(spec: SyntheticDataset) -> Source:
 
         return Split(n, blocks)
 
-    return Source(split(0, spec.n_train or 1000), split(1, spec.n_test or 100), n_classes, None)
+    return Source(split(0, spec.n_train or 1000), split(1, spec.n_test or 100 + spec.query_offset), n_classes, None)
 
 
 def _load_npz(spec: PathDataset) -> dict[str, np.ndarray]:
@@ -179,6 +179,11 @@ def _held_out(n: int, spec: HeldOutDataset) -> np.ndarray:
     """Sorted, seeded random query rows: n_test of them, or test_fraction of n. They are part of the data's definition:
     another n_test moves rows between the splits and retrains; new queries of the same training rows are asked with
     `influence-pipeline query` (or a file with its own test split)."""
+    if spec.query_offset:
+        raise ConfigError(
+            "dataset.query_offset", f"source={spec.source} holds one set, whose query rows are drawn at random with n_test: skipping some would move rows between the splits",
+            "store the data with its own test split (x_test, y_test) to page through its queries, or ask new queries with influence-pipeline query",
+        )
     count = min(spec.n_test or max(1, int(spec.test_fraction * n)), n - 1)
     return np.sort(np.random.default_rng(spec.seed).choice(n, count, replace=False))
 
@@ -286,7 +291,7 @@ def _python_docs(spec: PythonDocsDataset) -> Source:
     rows = rows[np.random.default_rng(spec.seed).permutation(len(rows))]
     held_out = 0 if spec.queries else len(rows) // 5
     train = rows[: len(rows) - held_out][: spec.n_train]
-    pool = rows[len(rows) - held_out :][: spec.n_test or 20]
+    pool = rows[len(rows) - held_out :][: spec.n_test or 20 + spec.query_offset]
     x_test, y_test = python_docs.query_rows(spec.queries, spec.window) if spec.queries else (pool, pool)
     return Source(_in_memory_split(train, train, None), _in_memory_split(x_test, y_test, None), None, None)
 
@@ -318,12 +323,32 @@ def _unmasked_labels(split: Split) -> Split:
 
 def open_source(spec: DatasetSpec, options: dict[str, Any]) -> Source:
     """The dataset described by `spec`, as streams of row blocks; `options` reach S3 for Zarr sources."""
-    source = SOURCES[spec.source](spec, options)
+    offset = spec.query_offset
+    if offset and isinstance(spec, PythonDocsDataset) and spec.queries:
+        raise ConfigError("dataset.query_offset", "the queries are the texts listed in dataset.queries", "list the texts to ask, and leave dataset.query_offset at 0")
+    source = SOURCES[spec.source](spec.model_copy(update={"n_test": spec.n_test + offset}) if offset and spec.n_test else spec, options)
     if spec.n_train and source.train.n < spec.n_train:  # "at most n_train" silently giving fewer rows would go unseen
         raise ConfigError("dataset.n_train", f"n_train={spec.n_train} asks for more training examples than the {source.train.n} that source={spec.source} has", f"set dataset.n_train to at most {source.train.n}, or leave it empty for all")
+    if offset:
+        source = replace(source, test=_after(source.test, offset, spec))
     if isinstance(spec, PathDataset) and spec.target in (spec.inputs or []) and "attention_mask" in (spec.inputs or []):
         return Source(_unmasked_labels(source.train), _unmasked_labels(source.test), source.n_classes, source.image_shape)
     return source
+
+
+def _after(split: Split, offset: int, spec: DatasetSpec) -> Split:
+    """The query split without its first `offset` rows; refused when nothing would be left, naming what there is."""
+    if split.n <= offset:
+        raise ConfigError("dataset.query_offset", f"query_offset={offset} skips all {split.n} query examples that source={spec.source} holds here", f"set dataset.query_offset below {split.n}")
+
+    def blocks() -> Iterator[Block]:
+        seen = 0
+        for x, y in split.blocks():
+            start, seen = max(0, offset - seen), seen + len(y)
+            if start < len(y):
+                yield (x, y) if start == 0 else (examples.take(x, slice(start, None)), y[start:])
+
+    return Split(split.n - offset, blocks)
 
 
 def _stored_names(x: Any, split: str) -> dict[str, Any]:
