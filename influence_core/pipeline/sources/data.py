@@ -282,6 +282,9 @@ def _npz(spec: PathDataset, options: dict[str, Any]) -> Source:
     return _from_arrays(arrays, spec)
 
 
+BYTE_CLASSES = 256  # python_docs' labels are byte ids: stated, not counted, so the queries asked never change the training side's key
+
+
 def _python_docs(spec: PythonDocsDataset) -> Source:
     """Language modelling on byte windows of the standard library's docstrings: seeded shuffled windows for training,
     then the 'prompt|completion' queries (or held-out windows); labels are the inputs' own ids. Without queries the
@@ -293,7 +296,7 @@ def _python_docs(spec: PythonDocsDataset) -> Source:
     train = rows[: len(rows) - held_out][: spec.n_train]
     pool = rows[len(rows) - held_out :][: spec.n_test or 20 + spec.query_offset]
     x_test, y_test = python_docs.query_rows(spec.queries, spec.window) if spec.queries else (pool, pool)
-    return Source(_in_memory_split(train, train, None), _in_memory_split(x_test, y_test, None), None, None)
+    return Source(_in_memory_split(train, train, None), _in_memory_split(x_test, y_test, None), BYTE_CLASSES, None)
 
 
 SOURCES: dict[str, Callable[[Any, dict[str, Any]], Source]] = {
