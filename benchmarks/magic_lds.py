@@ -24,6 +24,7 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 CLI = str(Path(sys.executable).with_name("influence-pipeline"))
 METHODS: dict[str, dict[str, Any]] = {
     "magic": {"name": "magic", "query_block": 20},
@@ -35,13 +36,13 @@ CELLS = [(60, 0.9), (60, 0.5), (10, 0.5)]  # (epochs, subset fraction)
 
 
 def digits_images(path: Path) -> None:
-    """The digits source's split (test 20%, seed 0, stratified), its first 1,000 training and 40 query rows, as 1×8×8 images."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    """The digits source's own split (the MLP problem's rows: 1,000 training, 40 queries), as 1×8×8 images."""
+    from influence_core.pipeline.sources.data import open_source
+    from influence_core.pipeline.specs import DigitsDataset
 
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split((x / 16.0).astype(np.float32).reshape(-1, 1, 8, 8), y, test_size=0.2, random_state=0, stratify=y)
-    np.savez(path, x_train=x_tr[:1000], y_train=y_tr[:1000], x_test=x_te[:40], y_test=y_te[:40])
+    source = open_source(DigitsDataset(n_train=1000, n_test=40), {})
+    (x_tr, y_tr), (x_te, y_te) = (next(split.blocks()) for split in (source.train, source.test))
+    np.savez(path, x_train=x_tr.reshape(-1, 1, 8, 8), y_train=y_tr, x_test=x_te.reshape(-1, 1, 8, 8), y_test=y_te)
 
 
 def problems(out: Path) -> dict[str, dict[str, Any]]:

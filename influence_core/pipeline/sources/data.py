@@ -290,6 +290,8 @@ def _python_docs(spec: PythonDocsDataset) -> Source:
     then the 'prompt|completion' queries (or held-out windows); labels are the inputs' own ids. Without queries the
     last fifth of the shuffled windows is held out and the queries are its first n_test, so the training rows are
     the same for every n_test (and the training side's stages are reused when only the queries change)."""
+    if spec.queries and spec.query_offset:
+        raise ConfigError("dataset.query_offset", "the queries are the texts listed in dataset.queries", "list the texts to ask, and leave dataset.query_offset at 0")
     rows = python_docs.windows(python_docs.corpus(), spec.window)
     rows = rows[np.random.default_rng(spec.seed).permutation(len(rows))]
     held_out = 0 if spec.queries else len(rows) // 5
@@ -327,8 +329,6 @@ def _unmasked_labels(split: Split) -> Split:
 def open_source(spec: DatasetSpec, options: dict[str, Any]) -> Source:
     """The dataset described by `spec`, as streams of row blocks; `options` reach S3 for Zarr sources."""
     offset = spec.query_offset
-    if offset and isinstance(spec, PythonDocsDataset) and spec.queries:
-        raise ConfigError("dataset.query_offset", "the queries are the texts listed in dataset.queries", "list the texts to ask, and leave dataset.query_offset at 0")
     source = SOURCES[spec.source](spec.model_copy(update={"n_test": spec.n_test + offset}) if offset and spec.n_test else spec, options)
     if spec.n_train and source.train.n < spec.n_train:  # "at most n_train" silently giving fewer rows would go unseen
         raise ConfigError("dataset.n_train", f"n_train={spec.n_train} asks for more training examples than the {source.train.n} that source={spec.source} has", f"set dataset.n_train to at most {source.train.n}, or leave it empty for all")
