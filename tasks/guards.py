@@ -10,7 +10,7 @@ from influence_core.pipeline.store import publish
 from influence_core.pipeline.stages.aggregation import check_top_k
 from influence_core.pipeline.score.candidate_scoring import check_knn_k
 from influence_core.pipeline.store.loading import open_data
-from influence_core.pipeline.model.models import check_queries
+from influence_core.pipeline.model.models import check_queries, check_query_labels
 from influence_core.pipeline.runtime.cluster import shared_clusters
 from influence_core.pipeline.stages.preconditioner import check_method
 from influence_core.pipeline.runtime.preflight import preflight
@@ -44,6 +44,7 @@ def check_data(data: DataRef, aggregate: AggregateSpec, candidates: CandidatesSp
     check_method(method, model, data)
     arrays = open_data(data, store.options)
     check_queries(model, arrays)
+    check_query_labels(model, data, arrays["y_test"])
     if aggregate.token_scores:
         token_positions(arrays)
 

@@ -187,3 +187,23 @@ def test_a_query_offset_is_refused_where_it_would_move_rows_or_skip_every_query(
     for spec, message in cases:
         with pytest.raises(ConfigError, match=message):
             _prepared(tmp_path, spec.source, spec)
+
+
+def test_a_query_class_the_training_rows_lack_keeps_the_training_key_and_is_refused_before_training(tmp_path, xy):
+    """The classes are the training rows' (0..3 here): queries holding label 5 leave n_classes and the training
+    fingerprint as queries of known classes do, so the trained model and curvature are reused, and the run refuses
+    them in one line naming the fix; with model.output_dim covering them, they are taken."""
+    from influence_core.errors import ConfigError
+    from influence_core.pipeline.model.models import check_query_labels
+    from influence_core.pipeline.specs import ModelSpec
+
+    x, y = xy
+    np.savez(tmp_path / "known.npz", x_train=x[:120], y_train=y[:120], x_test=x[120:], y_test=y[120:])
+    np.savez(tmp_path / "new.npz", x_train=x[:120], y_train=y[:120], x_test=x[120:], y_test=np.where(np.arange(80) == 7, 5, y[120:]))
+    known, _ = _prepared(tmp_path, "known", NpzDataset(path=str(tmp_path / "known.npz")))
+    new, got = _prepared(tmp_path, "new", NpzDataset(path=str(tmp_path / "new.npz")))
+    assert new.n_classes == known.n_classes == 4 and new.training.fingerprint == known.training.fingerprint
+    with pytest.raises(ConfigError, match=r"^dataset: a query has label 5, but the model has 4 outputs.*model.output_dim: 6"):
+        check_query_labels(ModelSpec(), new, got["y_test"])
+    check_query_labels(ModelSpec(output_dim=6), new, got["y_test"])
+    check_query_labels(ModelSpec(), known, arrays_of(known, RunStore(output_url=str(tmp_path / "known")))["y_test"])

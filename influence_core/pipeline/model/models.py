@@ -100,6 +100,21 @@ def check_queries(spec: ModelSpec, arrays: dict[str, Any]) -> None:
         check_tokens(spec, arrays["x_test"])
 
 
+def check_query_labels(spec: ModelSpec, data: DataRef, y_test: Any) -> None:
+    """A built-in classifier without `model.output_dim` has one output per training class (the training side is keyed
+    on the training rows alone): a query label beyond them is refused before any stage computes, naming what to do."""
+    if spec.factory is not None or spec.output_dim is not None or spec.task_name != "classification" or not np.issubdtype(y_test.dtype, np.integer):
+        return
+    labels = np.asarray(y_test[:])
+    top, width = int(labels.max(initial=-1)), output_width(spec, data)
+    if top >= width:
+        raise ConfigError(
+            "dataset",
+            f"a query has label {top}, but the model has {width} outputs, one per class of the training rows (labels below {width})",
+            f"leave out the queries of classes the training rows lack, or set model.output_dim: {top + 1} to train a model with an output for them",
+        )
+
+
 def probe_forward(objective: Objective, spec: ModelSpec, x: Any, y: torch.Tensor) -> None:
     """One forward pass on the first rows, before training: the model's own code failing (field names its forward does
     not take, token ids beyond its embeddings) or returning no tensor is told as one line naming the setting."""

@@ -404,9 +404,10 @@ def _check_shapes(train: Any, test: Any) -> None:
 
 def _write_splits(group: Any, url: str, source: Source, firsts: dict[str, Block], chunk_rows: int) -> tuple[dict[str, dict[str, Any]], int]:
     """Stream both splits into `group`, checking every block; the arrays' refs (each with its content hash) by
-    stored name, and the largest integer label (-1 without)."""
+    stored name, and the largest integer training label (-1 without): the classes are the training rows', so new
+    queries never change the training side's key (a query label beyond them is refused by check_queries)."""
     arrays: dict[str, dict[str, Any]] = {}
-    top_label = -1  # integer labels: the classes are counted while streaming
+    top_label = -1  # integer training labels: the classes are counted while streaming
     for split_name, split in (("train", source.train), ("test", source.test)):
         first_x, first_y = firsts[split_name]
         made = {
@@ -421,7 +422,7 @@ def _write_splits(group: Any, url: str, source: Source, firsts: dict[str, Block]
                 made[name][row : row + len(block)] = block
                 digests[name].update(np.ascontiguousarray(block).tobytes())
             row += len(y)
-            if np.issubdtype(y.dtype, np.integer) and len(y):
+            if split_name == "train" and np.issubdtype(y.dtype, np.integer) and len(y):
                 top_label = max(top_label, int(y.max()))
         for name, arr in made.items():
             fingerprint = digests[name].hexdigest()[:24]
