@@ -68,6 +68,7 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     data = run(prepare_data, PrepareInput(params.dataset, store))
     check_data(data, params.aggregate, params.candidates, params.method, params.model, store)
     model, scores, scoring = _magic(run, params, data, store, fingerprint) if isinstance(params.method, MagicMethod) else _influence(run, params, data, store, fingerprint)
+    run.add_query_metrics(model, data, params.compute.torch_device)
     run(aggregate, AggregationInput(params.aggregate, scores, store, scoring))
     if params.validation.subsets:
         run(validate_run, ValidationInput(params.validation, params.model, params.training, data, model, scores, store, params.compute))

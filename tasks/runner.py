@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 
 from prefect.tasks import Task
 
-from influence_core.pipeline.store.refs import StageRef
+from influence_core.pipeline.stages.training import query_metrics
+from influence_core.pipeline.store.refs import DataRef, ModelRef, StageRef
 from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.store.stage import StageInput, producer
 
@@ -44,3 +45,8 @@ class StageRunner:
         work = ref.model_dump(include={"work", "metrics", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters", "compression", "bytes_per_row", "skipped", "ran"})  # what the stage did
         self.outcomes[name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
         return ref
+
+    def add_query_metrics(self, model: ModelRef, data: DataRef, device: str) -> None:
+        """fit_model's outcome gets the model's loss (and accuracy) on this run's queries, evaluated now: its stored
+        output, reused by runs asking other queries, holds the training rows' alone."""
+        self.outcomes["fit_model"]["metrics"] = {**self.outcomes["fit_model"].get("metrics", {}), **query_metrics(model, data, self.store, device)}

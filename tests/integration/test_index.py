@@ -113,6 +113,10 @@ def test_new_queries_reuse_the_training_side(tmp_path, prefect_api, monkeypatch)
     assert again["validation"]["lds_per_query"] == fresh["validation"]["lds_per_query"]
     for name in ("fit_model", "fit_preconditioner"):  # the stored model and curvature, byte for byte
         assert storage.read_bytes(stages[name]["url"], {}) == storage.read_bytes(fresh["stages"][name]["url"], {}), name
+    # the reused model's summary tells its losses on B's queries, as the fresh run that trained it does, not on A's
+    assert stages["fit_model"]["metrics"] == fresh["stages"]["fit_model"]["metrics"]
+    assert stages["fit_model"]["metrics"]["query_loss"] != first["stages"]["fit_model"]["metrics"]["query_loss"]
+    assert stages["fit_model"]["metrics"]["train_loss"] == first["stages"]["fit_model"]["metrics"]["train_loss"]
 
 
 def _npz_params(tmp_path, name: str, queries: slice, **compute):

@@ -95,7 +95,7 @@ class ModelRef(StageRef):
     in_features: int
     out_features: int
     train_loss: float | None
-    metrics: dict[str, float] = {}  # train_loss, query_loss, and train_accuracy, query_accuracy where the task has one
+    metrics: dict[str, float] = {}  # train_loss, and train_accuracy where the task has one (each run's summary adds its queries')
     feature_shape: list[int] | None = None  # the inputs' shape, for architectures that need more than their size (cnn)
 
 
