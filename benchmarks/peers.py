@@ -170,7 +170,8 @@ class Harness:
         pipeline's (`library_reps`): the two are compared under the same load, and the peer rows keep their own reps."""
         from pipeline_runner import self_influence_switch
 
-        entry: dict[str, Any] = {"workload": item.workload, "title": item.title, "library": f"{item.workload}/{item.config.key}", "reps": [], "method": item.method}
+        entry: dict[str, Any] = {"workload": item.workload, "title": item.title, "library": f"{item.workload}/{item.config.key}", "reps": [], "method": item.method,
+                                 "compute": item.compute}
         self.results["pipelines"].append(entry)
         if not self_influence_switch() and not run_anyway:
             entry["skipped"] = ("this version has no `aggregate.self_influence` switch, so compute_influences would also precondition every "
@@ -182,10 +183,10 @@ class Harness:
         for rep in range(self.args.reps):
             entry["library_reps"].append(self.run_config(item.workload, item.config, rep))
             run_dir = Path(tempfile.mkdtemp(prefix=f"pipeline-{item.workload}-", dir=self.scratch))
-            scores = self.dirs[item.workload] / "scores" / f"pipeline-{item.config.key}.npy"
+            scores = self.dirs[item.workload] / "scores" / f"pipeline-{item.config.key}{'-' + '-'.join(map(str, item.compute.values())) if item.compute else ''}.npy"
             cmd = self.command([self.pythons["ours"], str(PEERS / "pipeline_runner.py"), "--workload", str(self.dirs[item.workload]),
                                 "--method", json.dumps(item.method), "--regularization", str(self.lam(item.workload)), "--out", str(run_dir / "run"),
-                                "--scores", str(scores)], "pipeline")
+                                "--scores", str(scores), "--compute", json.dumps(item.compute)], "pipeline")
             env = {"PREFECT_HOME": str(run_dir / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "600"}  # a loaded machine starts the API slowly
             result = execute.run_json(cmd, self.args.timeout, self.logs / f"{item.workload}-pipeline-rep{rep}.log", env=env)
@@ -250,7 +251,7 @@ def agreement(results: dict[str, Any]) -> None:
                 results["runs"][key].setdefault("vs_ours", {})[row["configs"][0]] = corr(other, base)
     for entry in results["pipelines"]:
         good = [r for r in entry["reps"] if execute.ok(r)]
-        lib = load(results["runs"][entry["library"]])
+        lib = load({"reps": entry["library_reps"]} if entry.get("library_reps") else results["runs"][entry["library"]])  # alternated with it
         if good and lib is not None and Path(good[-1]["scores_file"]).exists():
             entry["vs_library"] = corr(np.load(good[-1]["scores_file"]), lib)
 
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scratch", default=str(ROOT / "benchmarks" / ".scratch" / "peers"), help="workloads, scores, logs (kept between runs)")
     p.add_argument("--results", default=None, help="where peers.md, peers.png and peers.json go (default benchmarks/results; --quick: the scratch directory)")
     p.add_argument("--report-only", action="store_true", help="recompute agreement and rewrite peers.md/png from the existing peers.json")
+    p.add_argument("--pipelines-only", action="store_true", help="only the whole-flow rows, each beside its library row (no peer venvs, exact answers or peer rows)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="write one report from the peers.json of separate runs (e.g. --workloads W1, then W2, ...)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the running side is killed with its workers
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     started = time.perf_counter()
-    pythons = venv_pythons()
+    pythons = {"ours": sys.executable} if args.pipelines_only else venv_pythons()
     harness = Harness(args, pythons)
     harness.results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                                   "commit": measured_commit(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -322,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     plan = planning.build(args.quick, args.workloads, ours_options(), torch.cuda.is_available())
     harness.results["skipped"] = list(plan.skipped)
     harness.prepare(args.workloads)
+    if args.pipelines_only:
+        plan = planning.Plan([], [], {}, plan.pipelines, plan.skipped)
     for workload, refs in plan.references.items():
         for ref in refs:
             harness.reference(workload, ref)

@@ -55,7 +55,7 @@ def model_section(spec: dict, checkpoint: Path) -> dict:
     return {"architecture": "mlp", "hidden": spec["hidden"], "activation": spec["activation"], "output_dim": spec["classes"], "checkpoint": str(checkpoint)}
 
 
-def parameters(workload: Path, method: dict, regularization: float, out: Path) -> dict:
+def parameters(workload: Path, method: dict, regularization: float, out: Path, compute: dict) -> dict:
     spec = json.loads((workload / "workload.json").read_text())
     aggregate = {"top_k": 5, **self_influence_off()}
     return {
@@ -63,7 +63,7 @@ def parameters(workload: Path, method: dict, regularization: float, out: Path) -
         "dataset": {"source": "npz", "path": str(workload / "data.npz")},
         "model": model_section(spec, workload / "model.pt"),
         "method": {**method, "regularization": regularization},
-        "compute": {"cluster": "local", "n_workers": 2, "torch_threads": 2},
+        "compute": {"cluster": "local", "n_workers": 2, "torch_threads": 2, **compute},
         "aggregate": aggregate,
     }
 
@@ -75,13 +75,14 @@ def main() -> None:
     p.add_argument("--regularization", type=float, required=True)
     p.add_argument("--out", required=True, type=Path, help="a fresh output directory for the run")
     p.add_argument("--scores", required=True)
+    p.add_argument("--compute", default="{}", help="more `compute` options as JSON, e.g. '{\"index_budget_gb\": 0}'")
     a = p.parse_args()
 
     from flows.influence_run import influence_run
     from flows.parameters import RunParameters
     from influence_core.pipeline.store import storage
 
-    params = RunParameters.model_validate(parameters(a.workload, json.loads(a.method), a.regularization, a.out))
+    params = RunParameters.model_validate(parameters(a.workload, json.loads(a.method), a.regularization, a.out, json.loads(a.compute)))
     with PeakRSS() as memory:
         start = time.perf_counter()
         summary = influence_run(**params.sections())

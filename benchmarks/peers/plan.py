@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, field
 from typing import Any
 
 # The agreement with the converged answer at which the end-to-end comparison (W2) picks each side's fastest path.
@@ -59,6 +59,7 @@ class Pipeline:
     title: str
     config: Config
     method: dict[str, Any]
+    compute: dict[str, Any] = field(default_factory=dict)  # the flow's `compute` options beside the runner's own
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def build(quick: bool, workloads: list[str], ours_options: set[str], gpu: bool =
             )))
         else:
             skipped.append(f"W3 low-rank query factors: this version of ours has no `query_rank` option, so neither side was run at rank {rank}.")
-        pipelines.append(Pipeline("W3", "EK-FAC", ekfac, {"name": "ekfac", "fisher": "sampled", "batch_size": 256}))
+        pipelines += with_and_without_index("W3", ekfac, {"name": "ekfac", "fisher": "sampled", "batch_size": 256})
 
     if "W4" in workloads:
         # Both sides track the nn.Linear layers (attention projections, feed-forward, head); the embeddings and norms
@@ -172,5 +173,13 @@ def build(quick: bool, workloads: list[str], ours_options: set[str], gpu: bool =
             skipped.append("W4's converged CG answer (GGN of the tracked nn.Linear layers, λ = 1e-3) needs a GPU: on this 2-core CPU one block-CG "
                            "iteration over the 2,000 windows takes about 21 s (5 queries, float32 products), and the quick W4 needed 428 of them; "
                            "neither side's agreement with it is measured.")
-        pipelines.append(Pipeline("W4", "EK-FAC", ekfac, {"name": "ekfac", "fisher": "sampled", "batch_size": 64}))
+        pipelines += with_and_without_index("W4", ekfac, {"name": "ekfac", "fisher": "sampled", "batch_size": 64})
     return Plan(rows, sweep, references, pipelines, skipped)
+
+
+def with_and_without_index(workload: str, config: Config, method: dict[str, Any]) -> list[Pipeline]:
+    """The flow as a user runs it (the training index built, compressed where over its budget), and with no index
+    (`compute.index_budget_gb: 0`): compute_influences then takes the training gradients as the library row does,
+    the same work, which is what the flow / library ratio measures."""
+    return [Pipeline(workload, "EK-FAC, with its index (the default)", config, method),
+            Pipeline(workload, "EK-FAC, no index (the library's work)", config, method, {"index_budget_gb": 0})]
