@@ -46,6 +46,9 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
     with SyncPrefectClient(api=deployed["PREFECT_API_URL"]) as client:
         deployment = client.read_deployment_by_name("influence-run/on-demand")
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    refused: list = []  # the API's answers of 400 and more, and requests that got none: why a submit failed
+    page.on("response", lambda response: refused.append(response) if response.status >= 400 else None)
+    page.on("requestfailed", lambda request: refused.append(request))
     page.goto(f"{ui}/deployments/deployment/{deployment.id}", wait_until="networkidle")
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_text("Custom run").click()
@@ -66,7 +69,8 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
         page.wait_for_url(re.compile(r".*/deployments/deployment/[0-9a-f-]+(\?tab=Runs)?$"), timeout=60_000)  # back on the deployment
     except PlaywrightTimeout:  # what the form shows instead (a validation message, an error toast), for the failure report
         page.screenshot(path=str(tmp_path / "submit-timeout.png"), full_page=True)
-        pytest.fail(f"the form did not return to the deployment within 60 s; the page ({tmp_path / 'submit-timeout.png'}) reads: {page.inner_text('body')[:3000]}")
+        calls = [f"{r.status} {r.request.method} {r.url}: {r.text()[:500]}" if hasattr(r, "status") else f"no answer: {r.method} {r.url} ({r.failure})" for r in refused]
+        pytest.fail(f"the form did not return to the deployment within 60 s; the API calls that failed: {calls or 'none'}; the page ({tmp_path / 'submit-timeout.png'}) reads: {page.inner_text('body')[-1500:]}")
 
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 

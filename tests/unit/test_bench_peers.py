@@ -59,6 +59,7 @@ def test_prepare_is_deterministic_and_reused(workload: Path, tmp_path: Path) -> 
     assert workloads.prepare(SPEC, tmp_path) == again  # found complete, not written again
 
 
+@pytest.mark.slow  # a subprocess per runner and reference solve, ~6 s each: the benchmark's harness, run by make test-e2e
 @pytest.mark.parametrize(("method", "mode", "matrix"), [("direct", "hessian", "hessian"), ("cg", "gauss_newton", "ggn")])
 def test_our_runner_matches_the_independent_reference(workload: Path, direct: Callable[[str], np.ndarray], tmp_path: Path, method: str, mode: str, matrix: str) -> None:
     """Sign, scale and λ of the runner's scores, against reference.py's float64 Direct solve (torch.func only)."""
@@ -75,6 +76,7 @@ def test_our_runner_matches_the_independent_reference(workload: Path, direct: Ca
 W4_SOLVE = ("--preconditioner", "nystroem", "--preconditioner-rank", "8", "--product-dtype", "float32", "--rtol", "1e-6")  # as plan.py's W4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("matrix", "solver", "options", "tol"), [("hessian", "cg", (), 1e-7), ("ggn", "cg", (), 1e-7), ("ef", "woodbury", (), 1e-7),
                                                                   ("ggn", "block-cg", W4_SOLVE, 1e-5)])
 def test_reference_solvers_agree_with_its_direct_solve(workload: Path, direct: Callable[[str], np.ndarray], tmp_path: Path, matrix: str, solver: str, options: tuple[str, ...], tol: float) -> None:
