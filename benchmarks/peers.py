@@ -183,7 +183,7 @@ class Harness:
         for rep in range(self.args.reps):
             entry["library_reps"].append(self.run_config(item.workload, item.config, rep))
             run_dir = Path(tempfile.mkdtemp(prefix=f"pipeline-{item.workload}-", dir=self.scratch))
-            scores = self.dirs[item.workload] / "scores" / f"pipeline-{item.config.key}{'-' + '-'.join(map(str, item.compute.values())) if item.compute else ''}.npy"
+            scores = self.dirs[item.workload] / "scores" / item.scores_name
             cmd = self.command([self.pythons["ours"], str(PEERS / "pipeline_runner.py"), "--workload", str(self.dirs[item.workload]),
                                 "--method", json.dumps(item.method), "--regularization", str(self.lam(item.workload)), "--out", str(run_dir / "run"),
                                 "--scores", str(scores), "--compute", json.dumps(item.compute)], "pipeline")

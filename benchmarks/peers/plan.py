@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, field
+from dataclasses import dataclass, field
 from typing import Any
 
 # The agreement with the converged answer at which the end-to-end comparison (W2) picks each side's fastest path.
@@ -60,6 +60,11 @@ class Pipeline:
     config: Config
     method: dict[str, Any]
     compute: dict[str, Any] = field(default_factory=dict)  # the flow's `compute` options beside the runner's own
+
+    @property
+    def scores_name(self) -> str:
+        """Its scores' file name: one per configuration and `compute` options."""
+        return "-".join(["pipeline", self.config.key, *(f"{k}-{v}" for k, v in self.compute.items())]) + ".npy"
 
 
 @dataclass(frozen=True)

@@ -405,7 +405,7 @@ def _check_shapes(train: Any, test: Any) -> None:
 def _write_splits(group: Any, url: str, source: Source, firsts: dict[str, Block], chunk_rows: int) -> tuple[dict[str, dict[str, Any]], int]:
     """Stream both splits into `group`, checking every block; the arrays' refs (each with its content hash) by
     stored name, and the largest integer training label (-1 without): the classes are the training rows', so new
-    queries never change the training side's key (a query label beyond them is refused by check_queries)."""
+    queries never change the training side's key (a query label beyond them is refused by check_query_labels)."""
     arrays: dict[str, dict[str, Any]] = {}
     top_label = -1  # integer training labels: the classes are counted while streaming
     for split_name, split in (("train", source.train), ("test", source.test)):
