@@ -44,7 +44,8 @@ serve: $(STAMP)
 # subset models cached under benchmarks/.scratch/lds/, the peers' venvs built on first use under benchmarks/.venvs/), the
 # compressed training index against the exact one on those problems (index_quality.py), then per-token scores on a
 # planted fact (planted_fact.py: the text demo's corpus with one unique sentence, two models), then MAGIC beside Direct,
-# EK-FAC and TRAK on the digits MLP and CNN through the pipeline's own validate stage (magic_lds.py, ~17 min)
+# EK-FAC and TRAK on the digits MLP and CNN through the pipeline's own validate stage, on the default recipe and a smooth
+# one (magic_lds.py, ~30 min)
 quality: $(STAMP)
 	$(BIN)/python benchmarks/quality.py
 	$(BIN)/python benchmarks/lds.py

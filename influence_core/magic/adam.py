@@ -39,8 +39,8 @@ def sqrt_with_zero_slope_at_zero(v: torch.Tensor) -> torch.Tensor:
     return torch.where(positive, torch.where(positive, v, torch.ones_like(v)).sqrt(), torch.zeros_like(v))
 
 
-def adam_step(state: AdamState, grads: Tensors, recipe: AdamRecipe, step: int) -> AdamState:
-    """Step number `step` (1-based) of Adam with L2 weight decay, as torch.optim.Adam takes it."""
+def adam_step(state: AdamState, grads: Tensors, recipe: AdamRecipe, step: int, total: int) -> AdamState:
+    """Step number `step` (1-based) of `total` of Adam with L2 weight decay, as torch.optim.Adam takes it."""
     beta1, beta2 = recipe.betas
     bias1, bias2 = 1 - beta1 ** float(step), 1 - beta2 ** float(step)
     params, exp_avg, exp_avg_sq = {}, {}, {}
@@ -49,5 +49,5 @@ def adam_step(state: AdamState, grads: Tensors, recipe: AdamRecipe, step: int) -
         exp_avg[name] = state.exp_avg[name].lerp(g, 1 - beta1)
         exp_avg_sq[name] = state.exp_avg_sq[name].mul(beta2).addcmul(g, g, value=1 - beta2)
         denom = (sqrt_with_zero_slope_at_zero(exp_avg_sq[name]) / bias2**0.5).add(recipe.eps)
-        params[name] = p.addcdiv(exp_avg[name], denom, value=-(recipe.learning_rate / bias1))
+        params[name] = p.addcdiv(exp_avg[name], denom, value=-(recipe.step_size(step - 1, total) / bias1))
     return AdamState(params, exp_avg, exp_avg_sq)

@@ -82,7 +82,7 @@ class Replay:
             return (self.task.loss(self.objective.outputs(params, xb), yb) * w).mean()
 
         def step(state: AdamState, w: torch.Tensor) -> AdamState:
-            return adam_step(state, grad(weighted_loss)(state.params, w), self.recipe, t + 1)
+            return adam_step(state, grad(weighted_loss)(state.params, w), self.recipe, t + 1, self.steps)
 
         return step
 

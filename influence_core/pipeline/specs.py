@@ -284,7 +284,7 @@ def float_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 TRANSFORMER_FIELDS = {"d_model", "heads", "layers", "vocab_size"}
-ARCHITECTURE_FIELDS = {"mlp": {"hidden", "activation"}, "linear": set(), "cnn": {"channels", "activation"}, "transformer": TRANSFORMER_FIELDS}  # each one's own settings
+ARCHITECTURE_FIELDS = {"mlp": {"hidden", "activation"}, "linear": set(), "cnn": {"channels", "activation", "pooling"}, "transformer": TRANSFORMER_FIELDS}  # each one's own settings
 LOSS_TASKS = {"cross_entropy": "classification", "mse": "regression"}
 
 
@@ -303,7 +303,11 @@ class ModelSpec(Spec):
     hidden: list[Annotated[int, Field(ge=1)]] = Field([32], title="Hidden widths", description="Width of each hidden layer of the MLP.")
     activation: Activation = Field(Activation.tanh, title="Activation", description="Nonlinearity between MLP layers (tanh keeps the Hessian smooth).")
     output_dim: int | None = Field(None, ge=1, title="Outputs", description="Output width; empty means one per class (classification) or 1 (regression).")
-    channels: list[Annotated[int, Field(ge=1)]] = Field([8, 16], title="Channels (cnn)", description="Output channels of each 3x3 convolution of the cnn (each followed by the activation and a 2x2 max-pool while the image is at least 2x2).")
+    channels: list[Annotated[int, Field(ge=1)]] = Field([8, 16], title="Channels (cnn)", description="Output channels of each 3x3 convolution of the cnn (each followed by the activation and a 2x2 pool while the image is at least 2x2).")
+    pooling: Literal["max", "avg"] = Field(
+        "max", title="Pooling (cnn)",
+        description="The cnn's 2x2 pools: max, or avg (smooth in the weights: MAGIC's metagradients then follow retraining far better, docs/methods.md).",
+    )
     d_model: int = Field(64, ge=1, title="Width (transformer)", description="Embedding width of the transformer; a multiple of `heads`.")
     heads: int = Field(2, ge=1, title="Attention heads (transformer)", description="Attention heads per transformer block.")
     layers: int = Field(2, ge=1, title="Blocks (transformer)", description="Transformer blocks (attention and feed-forward, pre-norm).")
@@ -340,13 +344,18 @@ class ModelSpec(Spec):
             raise ConfigError("model.measurement", f"the margin needs the classification task, not {self.task_name}", "set model.measurement: loss, or model.task: classification")
         return self
 
+    def stage_config(self) -> dict[str, Any]:
+        """The settings as stage keys hash them: all, less `pooling` at max (the pools the cnn always had), so the
+        stages stored before it existed keep their keys."""
+        return self.model_dump(mode="json", exclude={"pooling"} if self.pooling == "max" else None)
+
     def key_config(self) -> dict[str, Any]:
-        """The settings as the run fingerprint hashes them: the transformer's only for a transformer, a task class's
-        only when given, so the runs stored before those fields existed keep their fingerprints."""
+        """The settings as the run fingerprint hashes them: the stages' less the transformer's (but for a transformer)
+        and a task class's when not given, so the runs stored before those fields existed keep their fingerprints."""
         excluded = set() if self.architecture == Architecture.transformer.value else set(TRANSFORMER_FIELDS)
         if self.task_class is None:
             excluded |= {"task_class", "task_options"}
-        return self.model_dump(mode="json", exclude=excluded)
+        return {name: value for name, value in self.stage_config().items() if name not in excluded}
 
     def applied_config(self) -> dict[str, Any]:
         """The settings that shape this model, as a run records them: a factory's and its options, or the built-in
@@ -412,7 +421,7 @@ class ModelSpec(Spec):
 
 
     def _cnn(self, shape: tuple[int, ...], out_features: int, act: type[nn.Module]) -> nn.Module:
-        """3x3 convolutions (padding 1) with the activation and 2x2 max-pooling, then a linear head."""
+        """3x3 convolutions (padding 1) with the activation and 2x2 max- or average-pooling, then a linear head."""
         if len(shape) not in (2, 3):
             raise ConfigError("model.architecture", f"cnn needs images, (C, H, W) or (H, W) features, not {tuple(shape)}", "store images with their shape, or use architecture mlp")
         layers: list[nn.Module] = [] if len(shape) == 3 else [nn.Unflatten(1, (1, shape[0]))]  # (B, H, W) → (B, 1, H, W)
@@ -420,7 +429,7 @@ class ModelSpec(Spec):
         for out in self.channels:
             layers += [nn.Conv2d(channels, out, 3, padding=1), act()]
             if min(height, width) >= 2:
-                layers.append(nn.MaxPool2d(2))
+                layers.append(nn.MaxPool2d(2) if self.pooling == "max" else nn.AvgPool2d(2))
                 height, width = height // 2, width // 2
             channels = out
         return nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * height * width, out_features))
@@ -429,7 +438,11 @@ class ModelSpec(Spec):
 class TrainingSpec(Spec):
     epochs: int = Field(60, ge=0, title="Epochs", description="Passes over the training data.")
     batch_size: int = Field(64, ge=1, title="Batch size", description="Mini-batch size of the optimiser.")
-    learning_rate: float = Field(1e-2, gt=0, title="Learning rate", description="Adam step size.")
+    learning_rate: float = Field(1e-2, gt=0, title="Learning rate", description="Adam step size (the first step's, when it decays).")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", title="Learning-rate decay",
+        description="constant: the same step size throughout; linear or cosine: decayed from learning_rate towards 0 over the training's steps (MAGIC's metagradients follow the trained run more closely when late steps are small).",
+    )
     weight_decay: float = Field(1e-3, ge=0, title="Weight decay", description="L2 penalty added to the training loss.")
     seed: int = Field(0, title="Seed", description="Seed of initialisation and batch order.")
     ensemble: int = Field(
@@ -439,13 +452,14 @@ class TrainingSpec(Spec):
     )
 
     def key_config(self) -> dict[str, Any]:
-        """The settings as stage keys and the run fingerprint hash them: `ensemble` only above 1, so the runs stored
-        before it existed keep their keys."""
-        return self.model_dump(mode="json", exclude=None if self.ensemble > 1 else {"ensemble"})
+        """The settings as stage keys and the run fingerprint hash them: `ensemble` only above 1 and `lr_decay` only when
+        it decays, so the runs stored before they existed keep their keys."""
+        exclude = ({"ensemble"} if self.ensemble == 1 else set()) | ({"lr_decay"} if self.lr_decay == "constant" else set())
+        return self.model_dump(mode="json", exclude=exclude or None)
 
     def recipe(self) -> AdamRecipe:
         """The library's recipe that fit_model trains with (and MAGIC replays)."""
-        return AdamRecipe(self.epochs, self.batch_size, self.learning_rate, self.weight_decay, self.seed)
+        return AdamRecipe(self.epochs, self.batch_size, self.learning_rate, self.weight_decay, self.seed, decay=self.lr_decay)
 
     def member(self, index: int) -> "TrainingSpec":
         """How ensemble member `index` is trained: alone, with seed + index (member 0 is the single model)."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -19,8 +20,9 @@ SHUFFLE_BLOCK_ROWS = 65536  # the training set is read block by block: memory st
 
 @dataclass(frozen=True)
 class AdamRecipe:
-    """torch.optim.Adam (default betas and eps) with L2 weight decay (wd·θ added to each gradient), constant learning
-    rate, on mini-batch mean losses in the seeded BatchSchedule."""
+    """torch.optim.Adam (default betas and eps) with L2 weight decay (wd·θ added to each gradient), on mini-batch mean
+    losses in the seeded BatchSchedule; the step size is `learning_rate` throughout (constant), or decays from it
+    towards 0 over the T steps: lr·(1 − t/T) (linear) or lr·(1 + cos(πt/T))/2 (cosine) at step t = 0..T−1."""
 
     epochs: int
     batch_size: int
@@ -30,6 +32,7 @@ class AdamRecipe:
     block_rows: int = SHUFFLE_BLOCK_ROWS
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    decay: Literal["constant", "linear", "cosine"] = "constant"
 
     def schedule(self, n_rows: int) -> BatchSchedule:
         """Which rows each step takes, for a training set of n_rows."""
@@ -39,6 +42,15 @@ class AdamRecipe:
         """Optimiser steps of the whole training."""
         return self.epochs * self.schedule(n_rows).steps_per_epoch()
 
+    def step_size(self, t: int, total: int) -> float:
+        """The learning rate of step t (0-based) of `total`: one Python float, so training and MAGIC's replay use the
+        same bits."""
+        if self.decay == "linear":
+            return self.learning_rate * (1 - t / total)
+        if self.decay == "cosine":
+            return self.learning_rate * 0.5 * (1 + math.cos(math.pi * t / total))
+        return self.learning_rate
+
 
 def train(model: nn.Module, task: Task, recipe: AdamRecipe, x: Any, y: Any, weights: torch.Tensor | None = None) -> None:
     """Fit the model from its current weights with the recipe, reading one block of rows at a time, and leave it in
@@ -47,11 +59,13 @@ def train(model: nn.Module, task: Task, recipe: AdamRecipe, x: Any, y: Any, weig
     objective = Objective(model, task)
     optimiser = torch.optim.Adam(model.parameters(), lr=recipe.learning_rate, betas=recipe.betas, eps=recipe.eps, weight_decay=recipe.weight_decay)
     rows = ArrayBatches(x, y, recipe.block_rows)
+    total, t = recipe.steps(len(rows)), 0
     model.train()
     for blocks in recipe.schedule(len(rows)).epochs(recipe.epochs):
         for block in blocks:
             xs, ys = objective.to_model(*rows.rows(block.start, block.stop))
             for idx in block.batches:
+                optimiser.param_groups[0]["lr"], t = recipe.step_size(t, total), t + 1
                 optimiser.zero_grad()
                 outputs = task.output(examples.call(model, examples.take(xs, idx)))
                 loss = task.mean_loss(outputs, ys[idx]) if weights is None else (task.loss(outputs, ys[idx]) * weights[block.start + idx].to(outputs)).mean()

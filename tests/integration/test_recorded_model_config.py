@@ -26,7 +26,7 @@ def test_a_factory_model_records_the_factory_and_not_the_architecture(tmp_path):
 
 
 def test_a_built_in_model_records_only_its_architectures_fields():
-    """mlp: its widths and activation, no cnn channels or transformer sizes; cnn: its channels, no hidden widths."""
+    """mlp: its widths and activation, no cnn channels or transformer sizes; cnn: its channels and pools, no hidden widths."""
     mlp, cnn = small_params("/tmp/unused").public_config()["model"], small_params("/tmp/unused", model={"architecture": "cnn"}).public_config()["model"]
     assert mlp == {"architecture": "mlp", "hidden": [8], "activation": "tanh", "output_dim": None, **COMMON}
-    assert cnn == {"architecture": "cnn", "channels": [8, 16], "activation": "tanh", "output_dim": None, **COMMON}
+    assert cnn == {"architecture": "cnn", "channels": [8, 16], "activation": "tanh", "pooling": "max", "output_dim": None, **COMMON}

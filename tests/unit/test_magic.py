@@ -31,15 +31,25 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
 
 
+def _lr_scheduler(optimiser: torch.optim.Optimizer, recipe: AdamRecipe, total: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """torch's own schedulers for the recipe's decay: the reference does not use `AdamRecipe.step_size`."""
+    if recipe.decay == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, T_max=total)
+    return torch.optim.lr_scheduler.LambdaLR(optimiser, lambda t: 1 - t / total if recipe.decay == "linear" else 1.0)
+
+
 def _retrained_query_losses(w: torch.Tensor, recipe: AdamRecipe = RECIPE) -> torch.Tensor:
-    """The reference: torch.optim.Adam on the recipe's schedule, each batch's loss mean(w_i ℓ_i), then the queries' losses."""
+    """The reference: torch.optim.Adam on the recipe's schedule (its step size decayed by torch's schedulers), each
+    batch's loss mean(w_i ℓ_i), then the queries' losses."""
     x, y, xq, yq = _problem()
     model, task = _model(), Classification()
     optimiser = torch.optim.Adam(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
+    decay = _lr_scheduler(optimiser, recipe, recipe.steps(len(y)))
     for rows in recipe.schedule(len(y)).steps(recipe.epochs):
         optimiser.zero_grad()
         (task.loss(model(x[rows]), y[rows]) * w[rows]).mean().backward()
         optimiser.step()
+        decay.step()
     with torch.no_grad():
         return task.loss(model(xq), yq)
 
@@ -55,13 +65,17 @@ def _central_difference_scores(retrained: Callable[[torch.Tensor], torch.Tensor]
     return -n * torch.stack(columns, 1)
 
 
-def test_scores_equal_finite_differences_of_retraining() -> None:
+@pytest.mark.parametrize("decay", ["constant", "linear", "cosine"])
+def test_scores_equal_finite_differences_of_retraining(decay: str) -> None:
     x, y, xq, yq = _problem()
-    result = metagradients(_model(), Classification(), RECIPE, x, y, xq, yq)
+    recipe = dataclasses.replace(RECIPE, decay=decay)
+    result = metagradients(_model(), Classification(), recipe, x, y, xq, yq)
     n = len(y)
-    expected = _central_difference_scores(_retrained_query_losses, n)
+    expected = _central_difference_scores(lambda w: _retrained_query_losses(w, recipe), n)
     torch.testing.assert_close(result.scores, expected, rtol=1e-5, atol=1e-7 * float(expected.abs().max()))
     assert result.work.reverse_steps == RECIPE.steps(n) == 3 * 4  # batches of 4, 4, 4 and 2 per epoch
+    if decay != "constant":  # the decay is differentiated, not ignored: the constant step size's scores differ
+        assert not torch.allclose(result.scores, metagradients(_model(), Classification(), RECIPE, x, y, xq, yq).scores, rtol=1e-2)
 
 
 def test_sign_removing_a_helpful_example_raises_the_query_loss() -> None:
@@ -74,11 +88,12 @@ def test_sign_removing_a_helpful_example_raises_the_query_loss() -> None:
     assert torch.corrcoef(torch.stack([predicted.flatten(), actual.flatten()]))[0, 1] > 0.9
 
 
-def test_replay_retraces_training_bit_for_bit() -> None:
+@pytest.mark.parametrize("decay", ["constant", "cosine"])
+def test_replay_retraces_training_bit_for_bit(decay: str) -> None:
     x, y, xq, yq = _problem()
-    trained = _model()
-    train(trained, Classification(), RECIPE, x, y)
-    final = metagradients(_model(), Classification(), RECIPE, x, y, xq, yq).final
+    trained, recipe = _model(), dataclasses.replace(RECIPE, decay=decay)
+    train(trained, Classification(), recipe, x, y)
+    final = metagradients(_model(), Classification(), recipe, x, y, xq, yq).final
     assert all(torch.equal(final[name], p) for name, p in trained.named_parameters())
 
 
@@ -145,10 +160,11 @@ def test_a_language_models_scores_equal_finite_differences_of_retraining() -> No
     torch.testing.assert_close(result.scores, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
 
 
-def test_a_cnns_scores_equal_finite_differences_of_retraining() -> None:
-    """The pipeline's CNN (3×3 convolutions, tanh, 2×2 max-pools, a linear head) in float64: MAGIC's scores against
-    central finite differences of weighted retraining, so its poor LDS on the digits CNN is the linearisation's, not
-    the gradient's."""
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_a_cnns_scores_equal_finite_differences_of_retraining(pooling: str) -> None:
+    """The pipeline's CNN (3×3 convolutions, tanh, 2×2 max- or average-pools, a linear head) in float64: MAGIC's
+    scores against central finite differences of weighted retraining, so its poor LDS on the digits CNN with
+    max-pools is the linearisation's, not the gradient's."""
     from influence_core.pipeline.specs import ModelSpec
 
     g = torch.Generator().manual_seed(0)
@@ -159,7 +175,9 @@ def test_a_cnns_scores_equal_finite_differences_of_retraining() -> None:
 
     def model() -> torch.nn.Module:
         torch.manual_seed(2)
-        return ModelSpec(architecture="cnn", channels=[2, 3]).build(16, 3, (1, 4, 4)).double()
+        built = ModelSpec(architecture="cnn", channels=[2, 3], pooling=pooling).build(16, 3, (1, 4, 4)).double()
+        assert {type(m).__name__ for m in built if "Pool" in type(m).__name__} == {"MaxPool2d" if pooling == "max" else "AvgPool2d"}
+        return built
 
     def query_losses(w: torch.Tensor) -> torch.Tensor:
         trained = model()

@@ -118,6 +118,27 @@ def test_the_ensemble_is_a_bounded_number_that_a_single_model_does_not_hash():
     assert RunParameters.model_validate({"training": {"ensemble": 2}}).training.key_config()["ensemble"] == 2
 
 
+def test_a_constant_learning_rate_is_not_hashed_and_a_decay_is():
+    """training.lr_decay is a choice of the form; constant (the default) is left out of the keys, so the runs stored
+    before it existed keep their fingerprints, and a decay is a different training (another model, another key)."""
+    field = RunParameters.model_json_schema()["$defs"]["TrainingSpec"]["properties"]["lr_decay"]
+    assert field["enum"] == ["constant", "linear", "cosine"] and field["default"] == "constant"
+    plain, decayed = RunParameters(), RunParameters.model_validate({"training": {"lr_decay": "cosine"}})
+    assert "lr_decay" not in plain.training.key_config() and decayed.training.key_config()["lr_decay"] == "cosine"
+    assert plain.run_fingerprint() != decayed.run_fingerprint()
+    assert (plain.training.recipe().decay, decayed.training.recipe().decay) == ("constant", "cosine")
+
+
+def test_max_pooling_is_not_hashed_and_avg_pooling_is():
+    """model.pooling (the cnn's) is left out of the run fingerprint at max, the pools the cnn always had, so the runs
+    stored before it existed keep their fingerprints; avg is another model."""
+    cnn = {"architecture": "cnn"}
+    plain, smooth = (RunParameters.model_validate({"model": {**cnn, **extra}}) for extra in ({}, {"pooling": "avg"}))
+    assert "pooling" not in plain.model.key_config() and smooth.model.key_config()["pooling"] == "avg"
+    assert plain.run_fingerprint() != smooth.run_fingerprint()
+    assert smooth.model.applied_config()["pooling"] == "avg" and "pooling" not in RunParameters().model.applied_config()
+
+
 def test_empty_optional_settings_are_plain_inputs():
     """An optional number, string or list left empty is a plain input, not a type switch offering "None"; the
     values still validate as None, and Prefect's server-side validator accepts a null for them."""
