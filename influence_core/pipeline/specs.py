@@ -11,7 +11,7 @@ import re
 from enum import Enum
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 import torch
@@ -24,7 +24,7 @@ from .model.losses import LossName
 from .model.transformer import TokenTransformer
 from ..projection import Projection
 from ..task import BUILTIN, Classification, Task
-from ..training import AdamRecipe
+from ..training import AdamRecipe, LrDecay
 from ..methods import METHODS, InfluenceFunctionModel
 from ..methods.options import group_fields
 
@@ -71,6 +71,16 @@ class Spec(BaseModel):
     """Base for settings: unknown keys are errors, so a typo never passes silently."""
 
     model_config = ConfigDict(extra="forbid", use_enum_values=True, validate_assignment=True, json_schema_extra=plain_optional)
+    UNHASHED_AT: ClassVar[dict[str, Any]] = {}  # fields added after runs were stored, and the value that behaves as before
+
+    def hashed_dump(self) -> dict[str, Any]:
+        """The settings as keys hash them: each field of UNHASHED_AT left out at its value there, so the stages and
+        runs stored before the field existed keep their keys."""
+        return {name: value for name, value in self.model_dump(mode="json").items() if name not in self.UNHASHED_AT or value != self.UNHASHED_AT[name]}
+
+    def key_config(self) -> dict[str, Any]:
+        """The settings as stage keys and the run fingerprint hash them: `hashed_dump`, unless a spec says otherwise."""
+        return self.hashed_dump()
 
 
 # -- dataset -----------------------------------------------------------------------------------------
@@ -344,10 +354,7 @@ class ModelSpec(Spec):
             raise ConfigError("model.measurement", f"the margin needs the classification task, not {self.task_name}", "set model.measurement: loss, or model.task: classification")
         return self
 
-    def stage_config(self) -> dict[str, Any]:
-        """The settings as stage keys hash them: all, less `pooling` at max (the pools the cnn always had), so the
-        stages stored before it existed keep their keys."""
-        return self.model_dump(mode="json", exclude={"pooling"} if self.pooling == "max" else None)
+    UNHASHED_AT: ClassVar[dict[str, Any]] = {"pooling": "max"}  # the pools the cnn always had
 
     def key_config(self) -> dict[str, Any]:
         """The settings as the run fingerprint hashes them: the stages' less the transformer's (but for a transformer)
@@ -355,7 +362,7 @@ class ModelSpec(Spec):
         excluded = set() if self.architecture == Architecture.transformer.value else set(TRANSFORMER_FIELDS)
         if self.task_class is None:
             excluded |= {"task_class", "task_options"}
-        return {name: value for name, value in self.stage_config().items() if name not in excluded}
+        return {name: value for name, value in self.hashed_dump().items() if name not in excluded}
 
     def applied_config(self) -> dict[str, Any]:
         """The settings that shape this model, as a run records them: a factory's and its options, or the built-in
@@ -439,7 +446,7 @@ class TrainingSpec(Spec):
     epochs: int = Field(60, ge=0, title="Epochs", description="Passes over the training data.")
     batch_size: int = Field(64, ge=1, title="Batch size", description="Mini-batch size of the optimiser.")
     learning_rate: float = Field(1e-2, gt=0, title="Learning rate", description="Adam step size (the first step's, when it decays).")
-    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+    lr_decay: LrDecay = Field(
         "constant", title="Learning-rate decay",
         description="constant: the same step size throughout; linear or cosine: decayed from learning_rate towards 0 over the training's steps (MAGIC's metagradients follow the trained run more closely when late steps are small).",
     )
@@ -451,11 +458,7 @@ class TrainingSpec(Spec):
         "Each member's model, curvature and query factors are cached stages of their own; training, curvature and scoring cost this many times a single model's.",
     )
 
-    def key_config(self) -> dict[str, Any]:
-        """The settings as stage keys and the run fingerprint hash them: `ensemble` only above 1 and `lr_decay` only when
-        it decays, so the runs stored before they existed keep their keys."""
-        exclude = ({"ensemble"} if self.ensemble == 1 else set()) | ({"lr_decay"} if self.lr_decay == "constant" else set())
-        return self.model_dump(mode="json", exclude=exclude or None)
+    UNHASHED_AT: ClassVar[dict[str, Any]] = {"ensemble": 1, "lr_decay": "constant"}  # a single model, the constant step size
 
     def recipe(self) -> AdamRecipe:
         """The library's recipe that fit_model trains with (and MAGIC replays)."""
@@ -655,10 +658,7 @@ class ValidationSpec(Spec):
         "weights, every batch of the full run kept with the removed rows' losses weighted 0 (the counterfactual method magic linearises).",
     )
 
-    def key_config(self) -> dict[str, Any]:
-        """The settings as stage keys and the run fingerprint hash them: `counterfactual` only when not rebatch, so
-        the validations stored before it existed keep their keys."""
-        return self.model_dump(mode="json", exclude=None if self.counterfactual != "rebatch" else {"counterfactual"})
+    UNHASHED_AT: ClassVar[dict[str, Any]] = {"counterfactual": "rebatch"}  # the retraining validate always did
 
     @field_validator("subsets")
     @classmethod

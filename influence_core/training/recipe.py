@@ -16,6 +16,7 @@ from ..task import Task
 from .schedule import BatchSchedule
 
 SHUFFLE_BLOCK_ROWS = 65536  # the training set is read block by block: memory stays flat as it grows
+LrDecay = Literal["constant", "linear", "cosine"]  # how the step size goes from learning_rate towards 0 (see AdamRecipe)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class AdamRecipe:
     block_rows: int = SHUFFLE_BLOCK_ROWS
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    decay: Literal["constant", "linear", "cosine"] = "constant"
+    decay: LrDecay = "constant"
 
     def schedule(self, n_rows: int) -> BatchSchedule:
         """Which rows each step takes, for a training set of n_rows."""

@@ -47,7 +47,7 @@ class TrainingInput(StageInput[ModelRef]):
     device: str = "cpu"
 
     def plan(self) -> StageCall[ModelRef]:
-        config: dict[str, Any] = {"model": self.spec.stage_config()}
+        config: dict[str, Any] = {"model": self.spec.hashed_dump()}
         if self.spec.checkpoint:
             config["checkpoint_stat"] = checkpoint_stamp(self.spec.checkpoint, self.store.options)
         else:

@@ -192,7 +192,7 @@ class ValidationInput(StageInput[ValidationRef]):
     compute: ComputeSpec
 
     def plan(self) -> StageCall[ValidationRef]:
-        config = {"validate": self.spec.key_config(), "model": self.model_spec.stage_config(), "training": self.training.key_config()}
+        config = {"validate": self.spec.key_config(), "model": self.model_spec.hashed_dump(), "training": self.training.key_config()}
         return StageCall("validate", ValidationRef, config, {"data": self.data, "model": self.model, "scores": self.scores}, self.store, self.compute.torch_threads)
 
     @property
@@ -200,7 +200,7 @@ class ValidationInput(StageInput[ValidationRef]):
         """Where the retrained models live: keyed on the training side, the recipe and the subsets' draw alone (never
         the queries or the scores), so every run over the same training rows shares them."""
         draw = {name: value for name, value in self.spec.key_config().items() if name in ("fraction", "seed", "counterfactual")}
-        config = {"model": self.model_spec.stage_config(), "training": self.training.key_config(), "subsets": draw, "threads": self.compute.torch_threads}
+        config = {"model": self.model_spec.hashed_dump(), "training": self.training.key_config(), "subsets": draw, "threads": self.compute.torch_threads}
         return storage.join(self.store.cache_url, "retrain", stage_key("retrain", config, {"train": self.data.training}))
 
 
