@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import grad, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import examples
 from ..task import Task
@@ -32,7 +33,8 @@ def metagradients(
 ) -> Metagradients:
     """MAGIC scores of the queries for the training of `model` (at its initial weights) by `recipe` on (x, y), all
     loss weights 1: one forward pass keeping checkpoints, then one reverse pass replaying each segment between them.
-    The model is left untouched."""
+    The model is left untouched. The states are the trained run's own (the default attention kernels); each step is
+    differentiated on the math kernel, as the fused ones have no second derivative."""
     replay = Replay(model, task, recipe, x, y, checkpoint_every)
     w = torch.ones(replay.n, dtype=replay.objective.space.dtype, device=replay.objective.space.device)
     kept, final = replay.checkpoints(w)
@@ -44,8 +46,9 @@ def metagradients(
         states = replay.segment(kept, start, w)
         for t in reversed(range(start, start + len(states))):
             rows = replay.rows[t]
-            _, pullback = vjp(replay.step_fn(t), states.pop(), w[rows])
-            adjoint, dw_rows = vmap(pullback)(adjoint)
+            with sdpa_kernel(SDPBackend.MATH):
+                _, pullback = vjp(replay.step_fn(t), states.pop(), w[rows])
+                adjoint, dw_rows = vmap(pullback)(adjoint)
             dw.index_add_(1, rows.to(dw.device), dw_rows)
             replay.work.reverse_steps += 1
         del kept[start]

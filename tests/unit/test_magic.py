@@ -97,6 +97,25 @@ def test_replay_retraces_training_bit_for_bit(decay: str) -> None:
     assert all(torch.equal(final[name], p) for name, p in trained.named_parameters())
 
 
+def test_the_replay_of_a_gpt2_retraces_its_fused_attention_training_bit_for_bit() -> None:
+    """transformers' GPT-2 in float32, trained with the default (fused) attention kernel: the replay's states are the
+    trained run's, bit for bit (the math kernel, whose rounding differs, only differentiates the steps)."""
+    from influence_core.task import LanguageModelling
+    from tests.plugin_models import gpt2_lm
+
+    x = torch.randint(0, 13, (8, 6), generator=torch.Generator().manual_seed(0))
+    task, recipe = LanguageModelling(), AdamRecipe(epochs=2, batch_size=4, learning_rate=1e-2, weight_decay=0.0, seed=0, block_rows=8)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(3)
+        return gpt2_lm(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=6, dropout=0.0)
+
+    trained = model()
+    train(trained, task, recipe, x, x)
+    final = metagradients(model(), task, recipe, x, x, x[:2], x[:2]).final
+    assert all(torch.equal(final[name], p) for name, p in trained.named_parameters())
+
+
 def test_memory_grows_as_the_square_root_of_the_steps() -> None:
     x, y, xq, yq = _problem()
     short, long = (dataclasses.replace(RECIPE, epochs=e) for e in (1, 16))
@@ -156,6 +175,32 @@ def test_a_language_models_scores_equal_finite_differences_of_retraining() -> No
             return task.measurement(task.output(trained(xq)), yq).reshape(len(xq), -1).sum(1)
 
     result = metagradients(model(), task, recipe, x, y, xq, yq)
+    expected = _central_difference_scores(query_measurements, n)
+    torch.testing.assert_close(result.scores, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_a_hugging_face_gpt2s_scores_equal_finite_differences_of_retraining() -> None:
+    """transformers' GPT-2 (scaled_dot_product_attention, whose fused CPU kernel has no second derivative) in float64:
+    MAGIC's scores against central finite differences of `train`, which runs the fused kernel."""
+    from influence_core.task import LanguageModelling
+    from tests.plugin_models import gpt2_lm
+
+    g = torch.Generator().manual_seed(0)
+    vocab, context, n = 13, 6, 8
+    x, xq = torch.randint(0, vocab, (n, context), generator=g), torch.randint(0, vocab, (2, context), generator=g)
+    task, recipe = LanguageModelling(), AdamRecipe(epochs=2, batch_size=4, learning_rate=1e-2, weight_decay=0.0, seed=0, block_rows=8, decay="linear")
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(3)
+        return gpt2_lm(n_layer=1, n_embd=8, n_head=2, vocab_size=vocab, n_positions=context, dropout=0.0).double()
+
+    def query_measurements(w: torch.Tensor) -> torch.Tensor:
+        trained = model()
+        train(trained, task, recipe, x, x, weights=w)
+        with torch.no_grad():
+            return task.measurement(task.output(trained(xq)), xq).reshape(len(xq), -1).sum(1)
+
+    result = metagradients(model(), task, recipe, x, x, xq, xq)
     expected = _central_difference_scores(query_measurements, n)
     torch.testing.assert_close(result.scores, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
 
