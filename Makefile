@@ -78,6 +78,7 @@ bench-fastif: $(STAMP)
 bench-bergson: $(STAMP)
 	benchmarks/peers/setup_bergson.sh >/dev/null
 	$(BIN)/python benchmarks/bergson_side_by_side.py --rounds 2
+	$(BIN)/python benchmarks/bergson_magic.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -70,14 +70,15 @@ SCORING = ("compute_test_factors", "compute_influences", "aggregate")  # our run
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
-def windows() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Training windows (N_TRAIN, WIDTH), and the held-out queries' inputs and labels (prompt labels IGNORE_INDEX)."""
-    rows = python_docs.windows(python_docs.corpus(), WIDTH)
+def windows(width: int = WIDTH, n_train: int = N_TRAIN, n_queries: int = N_QUERIES, prompt: int = PROMPT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Training windows (n_train, width), and the held-out queries' inputs and labels (the first `prompt` labels
+    IGNORE_INDEX)."""
+    rows = python_docs.windows(python_docs.corpus(), width)
     rows = rows[np.random.default_rng(SEED).permutation(len(rows))]
-    x_test = rows[-N_QUERIES:].copy()
+    x_test = rows[-n_queries:].copy()
     y_test = x_test.copy()
-    y_test[:, :PROMPT] = IGNORE_INDEX
-    return rows[:N_TRAIN].copy(), x_test, y_test
+    y_test[:, :prompt] = IGNORE_INDEX
+    return rows[:n_train].copy(), x_test, y_test
 
 
 def run_config(name: str, out: Path, data: Path, checkpoint: Path | None) -> Path:
@@ -118,21 +119,22 @@ def train(data: Path) -> Path:
     return checkpoint
 
 
-def export_for_bergson(checkpoint: Path, x_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> dict[str, Path]:
-    """The trained GPT-2 as a Hugging Face model directory with a byte-level tokenizer, and the rows as save_to_disk
-    datasets (text as latin-1, one char per byte; input_ids the bytes; the queries' labels mask the prompt)."""
+def export_for_bergson(checkpoint: Path, x_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, dest: Path = SCRATCH, options: dict[str, Any] = MODEL["options"]) -> dict[str, Path]:
+    """The GPT-2 of `checkpoint` (built with `options`) as a Hugging Face model directory with a byte-level tokenizer,
+    and the rows as save_to_disk datasets under `dest` (text as latin-1, one char per byte; input_ids the bytes; the
+    queries' labels mask the prompt)."""
     from datasets import Dataset
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     from tests.plugin_models import gpt2_lm
 
-    paths = {"model": SCRATCH / "hf_model", "train": SCRATCH / "hf_train", "queries": SCRATCH / "hf_queries"}
-    wrapper = gpt2_lm(**MODEL["options"])
+    paths = {"model": dest / "hf_model", "train": dest / "hf_train", "queries": dest / "hf_queries"}
+    wrapper = gpt2_lm(**options)
     wrapper.load_state_dict(torch.load(checkpoint, weights_only=True))
     wrapper.model.save_pretrained(paths["model"])
     vocab = {bytes([i]).decode("latin-1"): i for i in range(256)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])), model_max_length=CONTEXT)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])), model_max_length=options["n_positions"])
     text = [bytes(row.astype(np.uint8)).decode("latin-1") for row in x_train]
     assert tokenizer(text[0])["input_ids"] == x_train[0].tolist(), "the tokenizer must give the byte values"
     tokenizer.save_pretrained(paths["model"])
