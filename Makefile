@@ -44,14 +44,15 @@ serve: $(STAMP)
 # subset models cached under benchmarks/.scratch/lds/, the peers' venvs built on first use under benchmarks/.venvs/), the
 # compressed training index against the exact one on those problems (index_quality.py), then per-token scores on a
 # planted fact (planted_fact.py: the text demo's corpus with one unique sentence, two models), then MAGIC beside Direct,
-# EK-FAC and TRAK on the digits MLP and CNN through the pipeline's own validate stage, on the default recipe and a smooth
-# one (magic_lds.py, ~30 min)
+# EK-FAC and TRAK on the digits MLP and CNN through the pipeline's own validate stage, on the default recipe, a smooth
+# one and a decayed one (magic_lds.py, ~40 min), and what those recipes cost in held-out accuracy (recipe_accuracy.py)
 quality: $(STAMP)
 	$(BIN)/python benchmarks/quality.py
 	$(BIN)/python benchmarks/lds.py
 	$(BIN)/python benchmarks/index_quality.py
 	$(BIN)/python benchmarks/planted_fact.py
 	$(BIN)/python benchmarks/magic_lds.py
+	$(BIN)/python benchmarks/recipe_accuracy.py
 
 # Side by side with pyDVL 0.10 and Kronfluence 1.0.1 (their venvs are built on first use under benchmarks/.venvs/)
 bench: $(STAMP)

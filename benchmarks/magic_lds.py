@@ -1,9 +1,10 @@
 """MAGIC beside Direct, EK-FAC and TRAK on the digits MLP and CNN: each method's LDS from the pipeline's own `validate`
 stage (removed rows weighted 0 in the full run's batches, the counterfactual MAGIC linearises), at 90% and 50%
-subsets after the default 60 epochs, and at 50% after 10 epochs; on two recipes: the default (Adam at a constant
-1e-2, the CNN with max-pools) and a smooth one (3e-3 decayed linearly to 0, the CNN with average pools).
+subsets after the default 60 epochs, and at 50% after 10 epochs; on three recipes: the default (Adam at a constant
+1e-2, the CNN with max-pools), a smooth one (3e-3 decayed linearly to 0, the CNN with average pools) and a decayed
+one (the default's 1e-2 decayed linearly to 0, the CNN with average pools).
 
-    .venv/bin/python benchmarks/magic_lds.py [--subsets 64] [--recipes default smooth] [--out DIR] [--results DIR]      (make quality)
+    .venv/bin/python benchmarks/magic_lds.py [--subsets 64] [--recipes default smooth decayed] [--out DIR] [--results DIR]      (make quality)
 
 Every cell is one `influence-pipeline run` (the CLI, a fresh ephemeral Prefect API, a local 2-worker cluster, one
 torch thread per stage); the runs of one problem and recipe share a `storage.cache_url`, so every method is ranked
@@ -37,6 +38,7 @@ CELLS = [(60, 0.9), (60, 0.5), (10, 0.5)]  # (epochs, subset fraction)
 RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # (training settings beside epochs, the CNN's model settings)
     "default": ({}, {}),
     "smooth": ({"learning_rate": 3e-3, "lr_decay": "linear"}, {"pooling": "avg"}),
+    "decayed": ({"lr_decay": "linear"}, {"pooling": "avg"}),
 }
 
 
