@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -91,7 +91,7 @@ def bergson(paths: dict[str, Path], lr: float, dtype: str) -> dict[str, Any]:
                "--wandb_project", "", "--overwrite"]
     wall = run(command, SCRATCH / f"{out.name}.log")
     lds = bergson_lds(out / "validation.csv")
-    return {"command": " ".join(command).replace(str(SCRATCH), "$S"), "wall": wall, **lds}
+    return {"command": shlex.join(command).replace(str(SCRATCH), "$S").replace(f"{ROOT}/", ""), "wall": wall, **lds}
 
 
 def bergson_lds(path: Path) -> dict[str, float]:
