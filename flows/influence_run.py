@@ -66,7 +66,8 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     """The six stages, the optional validation and the closing publish, under the output's run lock."""
     run = StageRunner(store, checkpoint=interrupts.raise_if_interrupted)
     data = run(prepare_data, PrepareInput(params.dataset, store))
-    check_data(data, params.aggregate, params.candidates, params.method, params.model, store)
+    if fewer := check_data(data, params.dataset, params.aggregate, params.candidates, params.method, params.model, store):
+        get_run_logger().warning(fewer)
     model, scores, scoring = _magic(run, params, data, store, fingerprint) if isinstance(params.method, MagicMethod) else _influence(run, params, data, store, fingerprint)
     run.add_query_metrics(model, data, params.compute.torch_device)
     run(aggregate, AggregationInput(params.aggregate, scores, store, scoring))

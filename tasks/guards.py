@@ -18,7 +18,8 @@ from influence_core.pipeline.store.refs import DataRef
 from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.store.runlock import exclusive_run
 from influence_core.pipeline.score.scoring import space_warning
-from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, MethodSpec, ModelSpec
+from influence_core.pipeline.sources.data import fewer_queries
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec
 from influence_core.pipeline.score.token_scores import token_positions
 
 
@@ -36,9 +37,10 @@ def run_session(store: RunStore, on_wait: Callable[[str], None]) -> Iterator[Non
         yield
 
 
-def check_data(data: DataRef, aggregate: AggregateSpec, candidates: CandidatesSpec, method: MethodSpec, model: ModelSpec, store: RunStore) -> None:
+def check_data(data: DataRef, dataset: DatasetSpec, aggregate: AggregateSpec, candidates: CandidatesSpec, method: MethodSpec, model: ModelSpec, store: RunStore) -> str | None:
     """Once the data's sizes are known, before training: top_k and knn_k fit the training set, the method fits the
-    model, and the queries fit it (every run: the model may come from a run with other queries)."""
+    model, and the queries fit it (every run: the model may come from a run with other queries). Returns a warning
+    when the source held fewer queries than dataset.n_test asked for."""
     check_top_k(aggregate, data.n_train)
     check_knn_k(candidates, data.n_train)
     check_method(method, model, data)
@@ -47,6 +49,7 @@ def check_data(data: DataRef, aggregate: AggregateSpec, candidates: CandidatesSp
     check_query_labels(model, data, arrays["y_test"])
     if aggregate.token_scores:
         token_positions(arrays)
+    return fewer_queries(dataset, data.n_test)
 
 
 def begin_output(store: RunStore, fingerprint: str, overwrite: bool, data: DataRef, aggregate: AggregateSpec) -> str | None:

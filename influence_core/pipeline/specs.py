@@ -92,7 +92,7 @@ RETIRED_DATASET_DEFAULTS: dict[str, Any] = {"path": None, "test_fraction": 0.2, 
 class DatasetBase(Spec):
     source: str  # each source's model narrows it to its own tag, a Literal with that default; declared here to come first
     n_train: int | None = Field(None, ge=1, title="Training examples", description="Keep at most this many training examples (all when empty; synthetic: how many to generate).")
-    n_test: int | None = Field(None, ge=1, title="Query examples", description="Keep at most this many query examples (all when empty; synthetic: how many to generate).")
+    n_test: int | None = Field(None, ge=1, title="Query examples", description="Keep at most this many query examples (all when empty; synthetic: how many to generate); a source holding fewer keeps them all, and the run warns.")
     seed: int = Field(0, title="Seed", description="Seed of the split and of generated data.")
     chunk_rows: int = Field(4096, ge=1, title="Rows per chunk", description="Rows per Zarr chunk of the stored arrays.")
     query_offset: int = Field(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import numpy as np
@@ -169,6 +170,27 @@ def test_a_query_offset_asks_the_next_held_out_rows_of_the_same_split(tmp_path, 
     np.testing.assert_array_equal(got["y_test"], whole["y_test"][20:50])
     np.testing.assert_array_equal(got["x_train"], whole["x_train"])
     assert ref.training.fingerprint == whole_ref.training.fingerprint and ref.fingerprint != whole_ref.fingerprint
+
+
+def test_fewer_queries_than_n_test_asks_are_kept_and_said(tmp_path):
+    """"At most n_test": a source holding fewer query rows keeps them all, and the run's check says so (the flow logs
+    it as a warning), with or without a query_offset. The digits source holds out 20% of scikit-learn's 1,797 images,
+    stratified: 360 rows."""
+    from influence_core.pipeline.sources.data import fewer_queries
+    from influence_core.pipeline.specs import DigitsDataset
+
+    from sklearn.datasets import load_digits
+
+    held_out = math.ceil(0.2 * len(load_digits().target))  # train_test_split rounds the held-out share up
+    asked = DigitsDataset(n_train=64, n_test=500)
+    ref, _ = _prepared(tmp_path, "asked", asked)
+    assert ref.n_test == held_out == 360
+    assert fewer_queries(asked, ref.n_test) == "dataset.n_test: asked for 500 query examples, but source=digits holds 360: scoring those 360"
+    offset = DigitsDataset(n_train=64, n_test=300, query_offset=100)
+    ref, _ = _prepared(tmp_path, "offset", offset)
+    assert ref.n_test == 260
+    assert fewer_queries(offset, ref.n_test) == "dataset.n_test: asked for 300 query examples, but source=digits holds 260 after query_offset=100: scoring those 260"
+    assert fewer_queries(DigitsDataset(n_train=64, n_test=360), 360) is None and fewer_queries(DigitsDataset(n_train=64), 360) is None
 
 
 def test_a_query_offset_is_refused_where_it_would_move_rows_or_skip_every_query(tmp_path, xy):

@@ -339,6 +339,15 @@ def open_source(spec: DatasetSpec, options: dict[str, Any]) -> Source:
     return source
 
 
+def fewer_queries(spec: DatasetSpec, n_test: int) -> str | None:
+    """What to tell the user when the source held fewer query examples than dataset.n_test asked for: "at most
+    n_test" keeps what there is (a rerun's query_offset may reach the split's end), but says so; None when it held them all."""
+    if spec.n_test is None or n_test >= spec.n_test:
+        return None
+    after = f" after query_offset={spec.query_offset}" if spec.query_offset else ""
+    return f"dataset.n_test: asked for {spec.n_test} query examples, but source={spec.source} holds {n_test}{after}: scoring those {n_test}"
+
+
 def _after(split: Split, offset: int, spec: DatasetSpec) -> Split:
     """The query split without its first `offset` rows; refused when nothing would be left, naming what there is."""
     if split.n <= offset:
