@@ -26,9 +26,7 @@ import csv
 import json
 import shlex
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,7 @@ from scipy.stats import spearmanr
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bergson_side_by_side import CLI, ENV, RESULTS, VENV_PYTHON, export_for_bergson, windows  # noqa: E402
+from benchmarks.bergson_side_by_side import CLI, RESULTS, VENV_PYTHON, export_for_bergson, run, windows  # noqa: E402
 
 WIDTH, N_TRAIN, N_QUERIES, EPOCHS, BATCH, SUBSETS, SEED = 32, 256, 8, 4, 16, 64, 0
 REMOVED = 0.1  # share of the training rows each validation subset removes
@@ -71,7 +69,7 @@ def ours(data: Path, lr: float, dtype: str) -> dict[str, Any]:
     }
     path = SCRATCH / f"{out.name}.yaml"
     path.write_text(json.dumps(config, indent=1))
-    wall = run([str(CLI), "run", "--config", str(path), "--overwrite"], SCRATCH / f"{out.name}.log")
+    wall, _ = run([str(CLI), "run", "--config", str(path), "--overwrite"], SCRATCH / f"{out.name}.log")
     summary = json.loads((out / "summary.json").read_text())
     validation = summary["validation"]
     return {"command": f"influence-pipeline run --config {path.relative_to(ROOT)} --overwrite", "wall": wall,
@@ -89,7 +87,7 @@ def bergson(paths: dict[str, Path], lr: float, dtype: str) -> dict[str, Any]:
                "--adam_beta1", "0.9", "--adam_beta2", "0.999", "--adam_eps", "1e-8", "--weight_decay", "0",
                "--noskip_validation", "--method", "lds", "--count", str(SUBSETS), "--fraction", str(REMOVED),
                "--wandb_project", "", "--overwrite"]
-    wall = run(command, SCRATCH / f"{out.name}.log")
+    wall, _ = run(command, SCRATCH / f"{out.name}.log")
     lds = bergson_lds(out / "validation.csv")
     return {"command": shlex.join(command).replace(str(SCRATCH), "$S").replace(f"{ROOT}/", ""), "wall": wall, **lds}
 
@@ -118,17 +116,6 @@ def compare(ours_run: Path, bergson_run: Path) -> dict[str, dict[str, float]]:
     theirs = np.stack([torch.load(bergson_run / "per_query" / f"q{q}.pt", weights_only=True).numpy() for q in range(len(mine))])
     together = float(np.mean([spearmanr(a, -b).statistic for a, b in zip(mine, theirs)]))
     return {side: {"agreement": together, "spread": float(np.abs(s).max() / np.median(np.abs(s)))} for side, s in (("ours", mine), ("bergson", theirs))}
-
-
-def run(command: list[str], log: Path) -> float:
-    """Run a command (one thread, offline), its output to log; its wall seconds. Fails loudly."""
-    start = time.perf_counter()
-    done = subprocess.run(command, env={**ENV, "WANDB_MODE": "disabled"}, capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - start
-    log.write_text(f"$ {' '.join(command)}\n{done.stdout}\n{done.stderr}")
-    if done.returncode:
-        raise SystemExit(f"{command[0]} failed ({done.returncode}); see {log}")
-    return wall
 
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:

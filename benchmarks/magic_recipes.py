@@ -13,6 +13,7 @@ weight decay 1e-3, seed 0); the MAGIC scores come from `influence_core.magic.met
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -32,13 +33,14 @@ N_TRAIN, N_QUERIES, KEPT, SEED = 1000, 40, 0.9, 0
 SHAPES = {"mlp": (64,), "cnn": (1, 8, 8)}
 
 
+@functools.cache
 def digits(shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """Training rows, the 40 queries and the held-out rows after them, features shaped for the model."""
+    """The training rows and the source's whole held-out split (its first N_QUERIES are the queries), features shaped
+    for the model; read once per shape."""
     source = open_source(DigitsDataset(n_train=N_TRAIN), {})  # n_test empty: the whole held-out split
-    (x, y), (xt, yt) = (next(split.blocks()) for split in (source.train, source.test))
-    x, xt = (torch.as_tensor(a, dtype=torch.float32).reshape(-1, *shape) for a in (x, xt))
-    y, yt = torch.as_tensor(y), torch.as_tensor(yt)
-    return x, y, xt[:N_QUERIES], yt[:N_QUERIES], xt[N_QUERIES:], yt[N_QUERIES:]
+    (x, y), (x_held, y_held) = (next(split.blocks()) for split in (source.train, source.test))
+    x, x_held = (torch.as_tensor(a, dtype=torch.float32).reshape(-1, *shape) for a in (x, x_held))
+    return x, torch.as_tensor(y), x_held, torch.as_tensor(y_held)
 
 
 def screen(architecture: str, recipe: str, subsets: int) -> dict[str, float]:
@@ -48,7 +50,8 @@ def screen(architecture: str, recipe: str, subsets: int) -> dict[str, float]:
     spec = ModelSpec(architecture=architecture, pooling=pooling)
     training = TrainingSpec(learning_rate=float(learning_rate), lr_decay=decay, seed=SEED).recipe()
     task = spec.make_task()
-    x, y, xq, yq, xh, yh = digits(shape)
+    x, y, x_held, y_held = digits(shape)
+    xq, yq, xh, yh = x_held[:N_QUERIES], y_held[:N_QUERIES], x_held[N_QUERIES:], y_held[N_QUERIES:]
 
     def trained(weights: torch.Tensor | None = None) -> torch.nn.Module:
         torch.manual_seed(SEED)  # fit_model's initial weights

@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.magic_lds import CELLS, RECIPES  # noqa: E402
+from benchmarks.magic_recipes import digits  # noqa: E402
 from influence_core.pipeline.model.models import evaluate, train  # noqa: E402
-from influence_core.pipeline.sources.data import open_source  # noqa: E402
-from influence_core.pipeline.specs import DigitsDataset, ModelSpec, TrainingSpec  # noqa: E402
+from influence_core.pipeline.specs import ModelSpec, TrainingSpec  # noqa: E402
 
-SEEDS, N_TRAIN = (0, 1, 2), 1000
+SEEDS = (0, 1, 2)
 SHAPES = {"MLP": ("mlp", (64,)), "CNN": ("cnn", (1, 8, 8))}
 
 
@@ -29,13 +29,11 @@ def accuracy(problem: str, recipe: str, epochs: int, seed: int) -> float:
     architecture, shape = SHAPES[problem]
     training, cnn = RECIPES[recipe]
     spec = ModelSpec(architecture=architecture, **(cnn if problem == "CNN" else {}))
-    source = open_source(DigitsDataset(n_train=N_TRAIN), {})  # n_test empty: the whole held-out split
-    (x, y), (x_held, y_held) = (next(split.blocks()) for split in (source.train, source.test))
+    x, y, x_held, y_held = digits(shape)
     torch.manual_seed(seed)  # as fit_model draws the initial weights
     model = spec.build(64, 10, shape)
-    x, x_held = (torch.as_tensor(a, dtype=torch.float32).reshape(-1, *shape) for a in (x, x_held))
-    train(model, spec, TrainingSpec(epochs=epochs, seed=seed, **training), x, torch.as_tensor(y))
-    return evaluate(model, spec.make_task(), x_held, torch.as_tensor(y_held), "held_out")["held_out_accuracy"]
+    train(model, spec, TrainingSpec(epochs=epochs, seed=seed, **training), x, y)
+    return evaluate(model, spec.make_task(), x_held, y_held, "held_out")["held_out_accuracy"]
 
 
 def main() -> None:

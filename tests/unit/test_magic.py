@@ -14,7 +14,7 @@ import torch
 from influence_core.errors import ConfigError
 from influence_core.magic import check_replayable, metagradients
 from influence_core.magic.replay import Replay
-from influence_core.task import Classification
+from influence_core.task import Classification, Task
 from influence_core.training import AdamRecipe, train
 
 RECIPE = AdamRecipe(epochs=3, batch_size=4, learning_rate=5e-2, weight_decay=1e-2, seed=1, block_rows=8)  # two blocks: 8 + 6 rows
@@ -101,18 +101,12 @@ def test_the_replay_of_a_gpt2_retraces_its_fused_attention_training_bit_for_bit(
     """transformers' GPT-2 in float32, trained with the default (fused) attention kernel: the replay's states are the
     trained run's, bit for bit (the math kernel, whose rounding differs, only differentiates the steps)."""
     from influence_core.task import LanguageModelling
-    from tests.plugin_models import gpt2_lm
 
     x = torch.randint(0, 13, (8, 6), generator=torch.Generator().manual_seed(0))
     task, recipe = LanguageModelling(), AdamRecipe(epochs=2, batch_size=4, learning_rate=1e-2, weight_decay=0.0, seed=0, block_rows=8)
-
-    def model() -> torch.nn.Module:
-        torch.manual_seed(3)
-        return gpt2_lm(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=6, dropout=0.0)
-
-    trained = model()
+    trained = _tiny_gpt2(13, 6)
     train(trained, task, recipe, x, x)
-    final = metagradients(model(), task, recipe, x, x, x[:2], x[:2]).final
+    final = metagradients(_tiny_gpt2(13, 6), task, recipe, x, x, x[:2], x[:2]).final
     assert all(torch.equal(final[name], p) for name, p in trained.named_parameters())
 
 
@@ -152,21 +146,9 @@ def test_weighted_training_is_the_replay_at_those_weights() -> None:
         torch.testing.assert_close(final.params[name], p.detach(), rtol=1e-12, atol=1e-14)
 
 
-def test_a_language_models_scores_equal_finite_differences_of_retraining() -> None:
-    """The pipeline's own transformer (attention, layer norm, embeddings) as a float64 language model: MAGIC's scores
-    against central finite differences of `train` with perturbed loss weights, the counterfactual it linearises."""
-    from influence_core.pipeline.model.transformer import TokenTransformer
-    from influence_core.task import LanguageModelling
-
-    g = torch.Generator().manual_seed(0)
-    vocab, context, n = 11, 6, 10
-    x, xq = torch.randint(0, vocab, (n, context), generator=g), torch.randint(0, vocab, (3, context), generator=g)
-    y, yq = torch.roll(x, -1, 1), torch.roll(xq, -1, 1)
-    task, recipe = LanguageModelling(), AdamRecipe(epochs=2, batch_size=4, learning_rate=1e-2, weight_decay=1e-3, seed=0, block_rows=8)
-
-    def model() -> torch.nn.Module:
-        torch.manual_seed(1)
-        return TokenTransformer(vocab, context, 8, 2, 1, vocab, causal=True).double()
+def _assert_scores_equal_finite_differences(model: Callable[[], torch.nn.Module], task: Task, recipe: AdamRecipe, x: torch.Tensor, y: torch.Tensor, xq: torch.Tensor, yq: torch.Tensor) -> None:
+    """MAGIC's scores of the queries' measurements (summed over positions) for the training of `model()` against
+    central finite differences of `train` with perturbed loss weights, the counterfactual it linearises."""
 
     def query_measurements(w: torch.Tensor) -> torch.Tensor:
         trained = model()
@@ -175,34 +157,45 @@ def test_a_language_models_scores_equal_finite_differences_of_retraining() -> No
             return task.measurement(task.output(trained(xq)), yq).reshape(len(xq), -1).sum(1)
 
     result = metagradients(model(), task, recipe, x, y, xq, yq)
-    expected = _central_difference_scores(query_measurements, n)
+    expected = _central_difference_scores(query_measurements, len(y))
     torch.testing.assert_close(result.scores, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
 
 
-def test_a_hugging_face_gpt2s_scores_equal_finite_differences_of_retraining() -> None:
-    """transformers' GPT-2 (scaled_dot_product_attention, whose fused CPU kernel has no second derivative) in float64:
-    MAGIC's scores against central finite differences of `train`, which runs the fused kernel."""
-    from influence_core.task import LanguageModelling
+def _tiny_gpt2(vocab: int, context: int) -> torch.nn.Module:
+    """transformers' GPT-2, one block of width 8, no dropout, its weights drawn from seed 3."""
     from tests.plugin_models import gpt2_lm
+
+    torch.manual_seed(3)
+    return gpt2_lm(n_layer=1, n_embd=8, n_head=2, vocab_size=vocab, n_positions=context, dropout=0.0)
+
+
+def test_a_language_models_scores_equal_finite_differences_of_retraining() -> None:
+    """The pipeline's own transformer (attention, layer norm, embeddings) as a float64 language model."""
+    from influence_core.pipeline.model.transformer import TokenTransformer
+    from influence_core.task import LanguageModelling
+
+    g = torch.Generator().manual_seed(0)
+    vocab, context, n = 11, 6, 10
+    x, xq = torch.randint(0, vocab, (n, context), generator=g), torch.randint(0, vocab, (3, context), generator=g)
+    recipe = AdamRecipe(epochs=2, batch_size=4, learning_rate=1e-2, weight_decay=1e-3, seed=0, block_rows=8)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(1)
+        return TokenTransformer(vocab, context, 8, 2, 1, vocab, causal=True).double()
+
+    _assert_scores_equal_finite_differences(model, LanguageModelling(), recipe, x, torch.roll(x, -1, 1), xq, torch.roll(xq, -1, 1))
+
+
+def test_a_hugging_face_gpt2s_scores_equal_finite_differences_of_retraining() -> None:
+    """transformers' GPT-2 (scaled_dot_product_attention, whose fused CPU kernel has no second derivative) in float64,
+    against `train`, which runs the fused kernel."""
+    from influence_core.task import LanguageModelling
 
     g = torch.Generator().manual_seed(0)
     vocab, context, n = 13, 6, 8
     x, xq = torch.randint(0, vocab, (n, context), generator=g), torch.randint(0, vocab, (2, context), generator=g)
-    task, recipe = LanguageModelling(), AdamRecipe(epochs=2, batch_size=4, learning_rate=1e-2, weight_decay=0.0, seed=0, block_rows=8, decay="linear")
-
-    def model() -> torch.nn.Module:
-        torch.manual_seed(3)
-        return gpt2_lm(n_layer=1, n_embd=8, n_head=2, vocab_size=vocab, n_positions=context, dropout=0.0).double()
-
-    def query_measurements(w: torch.Tensor) -> torch.Tensor:
-        trained = model()
-        train(trained, task, recipe, x, x, weights=w)
-        with torch.no_grad():
-            return task.measurement(task.output(trained(xq)), xq).reshape(len(xq), -1).sum(1)
-
-    result = metagradients(model(), task, recipe, x, x, xq, xq)
-    expected = _central_difference_scores(query_measurements, n)
-    torch.testing.assert_close(result.scores, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+    recipe = AdamRecipe(epochs=2, batch_size=4, learning_rate=1e-2, weight_decay=0.0, seed=0, block_rows=8, decay="linear")
+    _assert_scores_equal_finite_differences(lambda: _tiny_gpt2(vocab, context).double(), LanguageModelling(), recipe, x, x, xq, xq)
 
 
 @pytest.mark.parametrize("pooling", ["max", "avg"])
