@@ -100,6 +100,16 @@ class IndexProjection:
         self._phi: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._whitening = dict(whitening or {})  # factors computed before (kept with an index), by cut name
 
+    @classmethod
+    def for_model(cls, im: "InfluenceFunctionModel", x: Any, y: torch.Tensor, side: int, whitening: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> "IndexProjection":
+        """The compressed index's projection for a fitted influence model, its gradient split probed on the rows
+        (x, y) (a few training rows), seed 0: for K-FAC/EK-FAC whitened by each layer's damped curvature diagonal in
+        its eigenbasis (`whitening`: factors kept with an index, else computed on first use)."""
+        from .methods.kfac import KfacInfluence
+
+        damped = {layer.name: im.solvers[layer.block].damped(im.objective.space.dtype) for layer in im.layers} if isinstance(im, KfacInfluence) else None  # type: ignore[attr-defined]
+        return cls(im.gradient_split(x, y), im.row_order, side, seed=0, damped=damped, whitening=whitening)
+
     def sides(self, cut: LayerCut) -> tuple[int, int]:
         """k_out, k_in: `side`, or the matrix's own size when smaller (such a side is kept exactly, Φ = I)."""
         return min(self.side, cut.shape[0]), min(self.side, cut.shape[1])

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import examples
 
 
 @dataclass
@@ -45,3 +51,34 @@ class Work:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def forward_flops(model: nn.Module, x: Any) -> float:
+    """FLOPs (2 per multiply-add) of the model's weight layers (Linear, convolutions, Hugging Face's Conv1D) in one
+    forward pass over rows x, counted from their outputs' shapes by hooks: a stage's cheap estimate of a pass's work,
+    made before it chooses where its tasks run (torch's FlopCounterMode imports torch._dynamo, 0.9 s)."""
+    total = [0.0]
+
+    def count(module: nn.Module, _: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            total[0] += 2.0 * out.numel() * _inputs_per_output(module)
+
+    handles = [module.register_forward_hook(count) for module in model.modules() if _inputs_per_output(module)]
+    try:
+        with torch.no_grad():
+            examples.call(model, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return total[0]
+
+
+def _inputs_per_output(module: nn.Module) -> int:
+    """Multiply-adds per output number of a weight layer (0 for any other module): a Linear's or convolution's
+    weight[0], a Conv1D's (in, out) weight's rows."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+        return module.weight[0].numel()
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.ndim == 2:
+        return int(weight.shape[0])
+    return 0

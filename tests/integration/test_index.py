@@ -88,17 +88,23 @@ def _run(tmp_path, name: str, queries: slice, cache: str, cluster: str = "sequen
 def test_new_queries_reuse_the_training_side(tmp_path, prefect_api, monkeypatch):
     """Run B asks 15 new queries of run A's training rows (a shared stage cache): fit_model, fit_preconditioner,
     index_training and validation's retrainings are reused, B evaluates gradients of its 15 queries only, and its
-    outputs are bit-identical to a fresh run of B's parameters on the local cluster (every stage there, the index
-    products too), where A and B ran in this process (no stage key names the cluster)."""
+    outputs are bit-identical to a fresh run of B's parameters on the local cluster's workers (every stage there: the
+    factor passes, the index pass and the index products), where A ran them in this process on 2 threads (a local
+    cluster's small work) and B its products on one (sequential): no stage key names the cluster."""
+    from influence_core.pipeline.runtime import cluster
     from influence_core.pipeline.score import scoring
 
     cache = str(tmp_path / "cache")
-    first, _ = _run(tmp_path, "a", slice(0, 10), cache)
+    first, _ = _run(tmp_path, "a", slice(0, 10), cache, cluster="local")
     again, reused = _run(tmp_path, "b", slice(10, 25), cache)
     monkeypatch.setattr(scoring, "IN_PROCESS_INDEX_BYTES", 0)  # every index on the cluster
+    monkeypatch.setattr(cluster, "IN_PROCESS_FLOPS", 0.0)  # and every pass
+    monkeypatch.setattr(cluster, "CLUSTER_START_SECONDS", 0.0)
     fresh, expected = _run(tmp_path, "fresh", slice(10, 25), str(tmp_path / "fresh-cache"), cluster="local")
     stages = again["stages"]
-    assert stages["compute_influences"]["ran"].startswith("in the flow's process") and fresh["stages"]["compute_influences"]["ran"] == "local"
+    assert stages["compute_influences"]["ran"].startswith("in the flow's process on 1 thread") and fresh["stages"]["compute_influences"]["ran"] == "local"
+    for name in ("fit_preconditioner", "index_training", "compute_influences"):
+        assert first["stages"][name]["ran"].startswith("in the flow's process on 2 threads") and fresh["stages"][name]["ran"] == "local", name
     for name in ("fit_model", "fit_preconditioner", "index_training"):
         assert first["stages"][name]["outcome"] == "computed"
         assert stages[name]["outcome"] in ("cached", "found complete"), name

@@ -1,7 +1,7 @@
 """How work is placed on a cluster: tasks of several torch threads never oversubscribe a machine's cores (`task_slots`
 counts what fits per machine, `throttled` never runs more than that at once; a real LocalCluster of 2 single-threaded
-workers), and a small index's products stay in the flow's process up to a bound that depends on whether the cluster
-would have to start."""
+workers), and small work (a small index's products, factor passes, an index pass) stays in the flow's process, on as
+many threads as the local cluster has workers, up to a bound that depends on whether the cluster would have to start."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import pytest
 from dask.system import CPU_COUNT
 from distributed import Client
 
-from influence_core.pipeline.runtime.cluster import dask_client, is_running, shared_clusters, task_slots, throttled
-from influence_core.pipeline.score.scoring import _ran_here, in_process_flops
+from influence_core.pipeline.runtime.cluster import dask_client, in_process_flops, in_process_threads, is_running, ran_here, runs_here, shared_clusters, task_slots, throttled
 from influence_core.pipeline.specs import ComputeSpec
 
 
@@ -49,12 +48,17 @@ def test_throttled_runs_at_most_slots_tasks_at_once_and_returns_each_result_by_i
 
 @pytest.mark.parametrize(
     ("cluster", "workers", "expected"),
-    [("local", 2, 0.5 * 3.0 * 85e9 * 2), ("local", 16, 0.5 * 3.0 * 85e9 * 16 / 15), ("local", 1, float("inf")), ("sequential", 2, 1e11), ("address", 2, 1e11)],
+    [("local", 2, 0.5 * 3.0 * 85e9 * 2), ("local", 16, 0.5 * 3.0 * 85e9 * 16), ("local", 1, float("inf")), ("sequential", 2, 1e11), ("address", 2, 1e11)],
 )
-def test_a_cold_local_cluster_leaves_more_products_to_the_flows_process(cluster: str, workers: int, expected: float) -> None:
-    """Half the break-even F/c = start + F/(w·c) of one core against w workers that would have to start first."""
+def test_a_cold_local_cluster_leaves_more_work_to_the_flows_process(cluster: str, workers: int, expected: float) -> None:
+    """What w single-threaded workers do in half the 3 s start they would need first, at 85 GFLOP/s a core; only a
+    local cluster's work moves here, on as many threads as it has workers."""
     address = {"address": "tcp://127.0.0.1:8786"} if cluster == "address" else {}
-    assert in_process_flops(ComputeSpec(cluster=cluster, n_workers=workers, **address)) == pytest.approx(expected)
+    spec = ComputeSpec(cluster=cluster, n_workers=workers, **address)
+    assert in_process_flops(spec) == pytest.approx(expected)
+    assert in_process_threads(spec) == (workers if cluster == "local" else 1)
+    assert runs_here(spec, min(0.99 * expected, 1e15)) == (cluster == "local")
+    assert not runs_here(spec, 1.01 * expected)
 
 
 def test_a_running_shared_cluster_keeps_the_warm_bound() -> None:
@@ -67,6 +71,7 @@ def test_a_running_shared_cluster_keeps_the_warm_bound() -> None:
     assert not is_running(spec)  # closed with the session
 
 
-def test_the_summary_says_under_which_bound_the_products_ran_here() -> None:
-    assert _ran_here(255e9) == "in the flow's process (under 256 MiB of index and 255 GFLOP: no workers started)"
-    assert _ran_here(float("inf")) == "in the flow's process (under 256 MiB of index, and one worker would be no faster: no workers started)"
+def test_the_summary_says_on_how_many_threads_and_under_which_bound_the_work_ran_here() -> None:
+    two, one = ComputeSpec(cluster="local", n_workers=2), ComputeSpec(cluster="local", n_workers=1)
+    assert ran_here(two, 44.2e9, 255e9, ", an index under 256 MiB") == "in the flow's process on 2 threads (44.2 GFLOP of at most 255, an index under 256 MiB: no workers started)"
+    assert ran_here(one, 1e12, float("inf")) == "in the flow's process on 1 thread (1,000.0 GFLOP; one worker would be no faster: no workers started)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import threading
@@ -20,6 +21,8 @@ from distributed.comm.addressing import get_address_host, parse_address, parse_h
 from ...errors import ConfigError
 from ..specs import ClusterKind, ComputeSpec
 
+IN_PROCESS_FLOPS = 1e11  # with the cluster up: ~1.2 s of one core (85 GFLOP/s on the 2-core CI machine)
+CORE_FLOPS, CLUSTER_START_SECONDS = 85e9, 3.0  # one core's GEMM rate; a local cluster's start with its workers' imports
 WORKER_EXIT_SECONDS = 60.0  # a worker process exits in seconds; one still alive after this is killed
 PROBE_TIMEOUT = 3.0  # seconds: an unreachable scheduler is reported at once, not after the client's 20 s timeout
 
@@ -71,6 +74,36 @@ def is_running(spec: ComputeSpec) -> bool:
     with _SHARED.lock:
         held = _SHARED.clusters.get((ClusterKind(spec.cluster).value, spec.n_workers))
         return held is not None and held[1].status == "running"
+
+
+def in_process_flops(compute: ComputeSpec) -> float:
+    """The most work (FLOPs) of a stage's tasks that runs in this process (`in_process_threads`) rather than on the
+    cluster: IN_PROCESS_FLOPS when the cluster is up or is not local; when a local cluster would have to start, the
+    work its w workers do in half that start, so the start would cost more than twice the work (255 GFLOP for 2);
+    with one worker, any (one thread here is no slower than one worker). Larger work goes to the workers, whose
+    processes bound its memory and outlive a crash."""
+    if compute.cluster != ClusterKind.local or is_running(compute):
+        return IN_PROCESS_FLOPS
+    workers = compute.n_workers
+    return math.inf if workers == 1 else max(IN_PROCESS_FLOPS, 0.5 * CLUSTER_START_SECONDS * CORE_FLOPS * workers)
+
+
+def in_process_threads(compute: ComputeSpec) -> int:
+    """Threads that run a stage's tasks in this process: a local cluster's workers (each single-threaded) if it were
+    started, so the same tasks run as many at once; one for every other kind (sequential asks for one at a time)."""
+    return compute.n_workers if compute.cluster == ClusterKind.local else 1
+
+
+def runs_here(compute: ComputeSpec, flops: float) -> bool:
+    """Whether a stage's tasks of `flops` FLOPs in all run in this process instead of a local cluster's workers."""
+    return compute.cluster == ClusterKind.local and flops < in_process_flops(compute)
+
+
+def ran_here(compute: ComputeSpec, flops: float, bound: float, note: str = "") -> str:
+    """Where a summary says a stage's tasks ran, when in this process: on how many threads, their work and its bound."""
+    threads = in_process_threads(compute)
+    limit = "; one worker would be no faster" if math.isinf(bound) else f" of at most {bound / 1e9:,.0f}"
+    return f"in the flow's process on {threads} thread{'s' if threads > 1 else ''} ({flops / 1e9:,.1f} GFLOP{limit}{note}: no workers started)"
 
 
 @contextmanager

@@ -27,10 +27,10 @@ from ...work import Work
 from ..store.loading import load_influence_model, open_data, read_factors, train_batches
 from .score_input import Member, ScoringInput
 from ..runtime.cluster import task_slots, throttled
-from ..runtime.threads import TASK_THREADS, torch_threads
+from ..runtime.threads import TASK_THREADS, in_threads, torch_threads
 
 Progress = Callable[[int, int], None]
-KEPT_WORKERS = 2  # jobs whose loaded state a worker process keeps (least recently used goes first)
+KEPT_WORKERS = 2  # jobs whose loaded state a worker thread keeps (least recently used goes first)
 
 
 class ChunkWorker:
@@ -137,21 +137,21 @@ class ChunkJob(ABC):
         """Score (or index) train chunk `index` with what `open()` loaded, and write its part."""
 
 
-_WORKERS: OrderedDict[str, Any] = OrderedDict()
-_WORKERS_LOCK = threading.Lock()
+_WORKERS = threading.local()  # each thread's own loaded jobs: one torch module must not serve two threads at once
 
 
 def _worker(job: ChunkJob) -> Any:
-    """Load once per worker process and job; later tasks of the same job reuse it. Keyed by the job and where it
-    writes: two outputs of the same parameters share a key but never a worker's open arrays."""
+    """Load once per thread (a worker process's, or one of `in_threads` here) and job; later tasks of the same job
+    on that thread reuse it. Keyed by the job and where it writes: two outputs of the same parameters share a key but
+    never a worker's open arrays."""
     where = f"{job.key}:{job.influence_url}"
-    with _WORKERS_LOCK:
-        if where not in _WORKERS:
-            _WORKERS[where] = job.open()
-            while len(_WORKERS) > KEPT_WORKERS:
-                _WORKERS.popitem(last=False)
-        _WORKERS.move_to_end(where)
-        return _WORKERS[where]
+    kept: OrderedDict[str, Any] = _WORKERS.__dict__.setdefault("jobs", OrderedDict())
+    if where not in kept:
+        kept[where] = job.open()
+        while len(kept) > KEPT_WORKERS:
+            kept.popitem(last=False)
+    kept.move_to_end(where)
+    return kept[where]
 
 
 def chunk_task(job: ChunkJob, index: int) -> dict[str, float]:
@@ -165,11 +165,12 @@ def chunk_task(job: ChunkJob, index: int) -> dict[str, float]:
         return (worker.work() - before).as_dict()
 
 
-def execute(job: ChunkJob, chunks: list[int], total: int, client: Client | None, on_progress: Progress | None = None) -> Work:
-    """Run the chunk tasks, on the cluster or here; report (done, total) as they finish; return the work done."""
+def execute(job: ChunkJob, chunks: list[int], total: int, client: Client | None, on_progress: Progress | None = None, threads: int = 1) -> Work:
+    """Run the chunk tasks, on the cluster or here on `threads` threads; report (done, total) as they finish; return
+    the work done."""
     done, work = total - len(chunks), Work()
     if client is None:
-        results: Iterator[dict[str, float]] = (chunk_task(job, index) for index in chunks)
+        results: Iterator[dict[str, float]] = in_threads(chunk_task, [(job, index) for index in chunks], threads)
     else:
         results = (counted for _, counted in throttled(client, chunk_task, [(job, index) for index in chunks], task_slots(client, job.task_threads)))
     for counted in results:

@@ -31,7 +31,7 @@ from ..model.models import load_state
 from ..store.refs import DataRef, IndexRef, ScoresRef
 from ...self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
 from .score_input import Member, ScoringInput, output_bytes
-from ..runtime.cluster import is_running
+from ..runtime.cluster import in_process_flops, in_process_threads, ran_here
 from ..specs import AggregateSpec, ClusterKind, ComputeSpec
 from ...work import Work
 from ...methods import InfluenceFunctionModel
@@ -242,36 +242,20 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
     return group
 
 
-IN_PROCESS_INDEX_BYTES = 256 * 2**20  # a small index's products run here: starting workers costs more than its GEMMs,
-IN_PROCESS_FLOPS = 1e11  # with the cluster up: ~1.2 s of one core (85 GFLOP/s on the 2-core CI machine)
-CORE_FLOPS, CLUSTER_START_SECONDS = 85e9, 3.0  # one core's GEMM rate; a local cluster's start with its workers' imports
+IN_PROCESS_INDEX_BYTES = 256 * 2**20  # a small index's products may run here (`in_process`): its rows are read in this process
 
 
-def in_process_flops(compute: ComputeSpec) -> float:
-    """The most products a small index's scoring runs here: IN_PROCESS_FLOPS when the cluster is up; when it would
-    have to start, half the break-even F/c = start + F/(w·c) of one core against w workers (255 GFLOP for 2)."""
-    if compute.cluster != ClusterKind.local or is_running(compute):
-        return IN_PROCESS_FLOPS
-    workers = compute.n_workers
-    return math.inf if workers == 1 else max(IN_PROCESS_FLOPS, 0.5 * CLUSTER_START_SECONDS * CORE_FLOPS * workers / (workers - 1))
-
-
-def in_process(job: ScoreJob) -> float | None:
-    """The bound in FLOPs under which the chunks run in this process, not on the cluster, when they do (else None): a
-    small index's products for few queries, on this machine (the cluster's own, so not an `address` cluster's), with
-    the chunk tasks' arithmetic, so the same bits."""
+def in_process(job: ScoreJob) -> tuple[float, float] | None:
+    """(products in FLOPs, their bound) when the chunks run in this process, not on the cluster (else None): a small
+    index's products for few queries, on this machine (the cluster's own, so not an `address` cluster's), as the
+    chunk tasks' arithmetic on `in_process_threads`, so the same bits."""
     if not isinstance(job, IndexScoreJob) or job.stage.compute.cluster == ClusterKind.address:
         return None
     indexes = [member.index for member in job.stage.members if member.index is not None]
     n_test, n_train = job.stage.layout.n_test, job.stage.data.n_train
     size, bound = sum(index.bytes_per_row for index in indexes) * n_train, in_process_flops(job.stage.compute)
-    return bound if size < IN_PROCESS_INDEX_BYTES and sum(2.0 * n_test * n_train * index.shape[1] for index in indexes) < bound else None
-
-
-def _ran_here(bound: float) -> str:
-    """Where the summary says the chunks ran, when in this process, and under which bound."""
-    limit = ", and one worker would be no faster" if math.isinf(bound) else f" and {bound / 1e9:,.0f} GFLOP"
-    return f"in the flow's process (under 256 MiB of index{limit}: no workers started)"
+    flops = sum(2.0 * n_test * n_train * index.shape[1] for index in indexes)
+    return (flops, bound) if size < IN_PROCESS_INDEX_BYTES and flops < bound else None
 
 
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
@@ -280,10 +264,10 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
     group = _prepare_arrays(job, with_self_influence)
     layout = job.stage.layout
     chunks = job.pending(list(range(layout.n_tasks)))
-    bound = in_process(job)
+    here = in_process(job)
     if chunks:
-        with nullcontext() if bound is not None else client_factory() as client:
-            work += execute(job, chunks, layout.n_tasks, client, on_progress)
+        with nullcontext() if here is not None else client_factory() as client:
+            work += execute(job, chunks, layout.n_tasks, client, on_progress, in_process_threads(job.stage.compute))
     if with_self_influence:
         group["self_influence"].attrs["fingerprint"] = job.key
     group["scores"].attrs["fingerprint"] = job.key
@@ -294,7 +278,7 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
         "dtype": "float32",
         "n_chunks": layout.n_tasks,
         "chunks_computed": len(chunks),
-        "ran": ClusterKind(job.stage.compute.cluster).value if bound is None else _ran_here(bound),
+        "ran": ClusterKind(job.stage.compute.cluster).value if here is None else ran_here(job.stage.compute, *here, note=", an index under 256 MiB"),
         "gradient_rows": work.gradient_rows,
         "work": work.as_dict(),
         "self_influence": described,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,17 +30,19 @@ from ... import examples
 from ...methods import IdentityInfluence, InfluenceFunctionModel, KfacInfluence
 from ...methods.scorer import Scorer
 from ...self_influence import SelfInfluencePlan, describe
-from ...work import Work
+from ...work import Work, forward_flops
+from ..runtime.cluster import in_process_flops, in_process_threads, ran_here, runs_here
 from ..score.chunks import ChunkJob, Progress, execute
 from ..score.layout import MIN_TASKS
 from ..store.loading import index_projection, keep_whitening, load_influence_model, open_data
 from ..store.refs import WHITENING_FILE, DataRef, IndexRef, ModelRef, StageRef
 from ..store.run_store import RunStore
 from ..score.scoring import self_influence_plan, stored_plan
-from ..specs import AggregateSpec, ComputeSpec, MethodSpec
+from ..specs import AggregateSpec, ClusterKind, ComputeSpec, MethodSpec
 from ..store.stage import StageCall, StageInput, StageLocation
 
 INDEX_CHUNK_BYTES = 4 * 2**20  # one stored chunk of index rows: what a scoring task reads per step
+INDEX_PASS_FORWARDS = 4  # indexing a row costs about 4 forward passes: forward and backward (3), the projection (~1)
 
 
 @dataclass(frozen=True)
@@ -207,9 +210,13 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
         storage.remove(job.path("done"), job.options)
     n_tasks = math.ceil(n_train / job.rows)
     chunks = job.pending(list(range(n_tasks)))
+    compute = stage.compute
+    first = examples.map_inputs(examples.read(open_data(stage.data, stage.store.options)["x_train"], slice(0, 1)), lambda t: t.to(compute.torch_device))
+    flops = INDEX_PASS_FORWARDS * forward_flops(im.objective.model, first) * len(chunks) * job.rows
+    here = runs_here(compute, flops)
     if chunks:
-        with client_factory() as client:
-            work += execute(job, chunks, n_tasks, client, on_progress)
+        with nullcontext() if here else client_factory() as client:
+            work += execute(job, chunks, n_tasks, client, on_progress, in_process_threads(compute))
     group = storage.open_group(job.url, stage.store.options, mode="a")
     for name in ("features", "self_influence"):
         if name in group:
@@ -218,7 +225,7 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
     return {
         "url": storage.join(loc.url, "index.zarr"), "fingerprint": loc.key, "shape": (n_train, layout.dim), "dtype": str(layout.dtype).removeprefix("torch."),
         "bytes_per_row": layout.row_bytes, "compression": layout.compression, "side": layout.side, "rows_per_chunk": job.rows, "chunks_computed": len(chunks),
-        "n_chunks": n_tasks, "gradient_rows": work.gradient_rows, "work": work.as_dict(), "self_influence": {"mode": stage.aggregate.self_influence, **describe(plan)},
+        "n_chunks": n_tasks, "ran": ran_here(compute, flops, in_process_flops(compute)) if here else ClusterKind(compute.cluster).value, "gradient_rows": work.gradient_rows, "work": work.as_dict(), "self_influence": {"mode": stage.aggregate.self_influence, **describe(plan)},
     }
 
 

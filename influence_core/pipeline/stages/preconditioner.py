@@ -1,8 +1,9 @@
 """Stage 3: the fitted curvature state of the chosen method (matrix factor, eigenbasis, Kronecker factors, ...).
 
 K-FAC and EK-FAC factors are sums over examples, computed on equal blocks of at most FACTOR_ROWS training rows
-and FACTOR_POSITIONS loss positions, one task each (on the Dask cluster, or one after another here), with one torch
-thread, and added in a fixed pairwise tree over the blocks (on the cluster, as tasks).
+and FACTOR_POSITIONS loss positions, one task each (on the Dask cluster, or here on as many threads as a local
+cluster has workers when the passes are small: `runs_here`), with one torch thread, and added in a fixed pairwise
+tree over the blocks (on the cluster, as tasks).
 The partition depends on nothing but the data's shape, and sampled labels are tied to example indices, so every
 cluster kind gives the same bits. Every other method fits in this process with `compute.torch_threads` threads.
 """
@@ -10,20 +11,25 @@ cluster kind gives the same bits. Every other method fits in this process with `
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from distributed import Client
 
+from ... import examples
 from ...batches import ArrayBatches
 from ...magic import check_replayable
 from ...methods import KfacInfluence
 from ...methods.kfac import Sums, factor_bases, merge
 from ..model.models import build_model
-from ...reduction import summed_tasks
+from ...reduction import pairwise_sum, summed_tasks
+from ...work import forward_flops
+from ..runtime.cluster import in_process_flops, in_process_threads, ran_here, runs_here
 from ..store.refs import DataRef, ModelRef, StageRef
-from ..specs import ComputeSpec, MagicMethod, MethodSpec, ModelSpec
-from ..runtime.threads import TASK_THREADS, torch_threads
+from ..specs import ClusterKind, ComputeSpec, MagicMethod, MethodSpec, ModelSpec
+from ..runtime.threads import TASK_THREADS, in_threads, torch_threads
 from ..store.loading import load_model, open_data, save_tensors, train_batches
 from ..store.stage import StageCall, StageInput, StageLocation
 from ..store.run_store import RunStore
@@ -99,20 +105,32 @@ def correction_chunk(job: FactorJob, lo: int, hi: int, bases: dict[str, Any]) ->
         return on_device(job.influence_model().correction_sums(job.rows(lo, hi), on_device(bases, job.device), offset=lo), "cpu")
 
 
-def _block_sums(client: Client | None, fn: Callable[..., Sums], job: FactorJob, **shared: Any) -> Sums:
+def _block_sums(client: Client | None, fn: Callable[..., Sums], job: FactorJob, threads: int, **shared: Any) -> Sums:
     """The blocks' sums added in one pairwise tree (`reduction.py`): the same order on every cluster kind, and the
-    driver holds the total only, not every block's sums (for W3's model ~37 MB per block: 245 blocks for a million rows)."""
-    if client is not None and shared:
-        shared = {name: client.scatter(value, broadcast=True) for name, value in shared.items()}
-    return summed_tasks(client, fn, [(job, lo, hi) for lo, hi in factor_blocks(job.data.n_train, job.data.label_positions)], merge, shared)
+    driver holds the total only, not every block's sums (for W3's model ~37 MB per block: 245 blocks for a million
+    rows); without a client, the blocks run here on `threads` threads."""
+    calls = [(job, lo, hi) for lo, hi in factor_blocks(job.data.n_train, job.data.label_positions)]
+    if client is None:
+        return pairwise_sum(in_threads(partial(fn, **shared), calls, threads), merge)
+    shared = {name: client.scatter(value, broadcast=True) for name, value in shared.items()}
+    return summed_tasks(client, fn, calls, merge, shared)
 
 
-def kronecker_factors(im: KfacInfluence, job: FactorJob, client: Client | None) -> dict[str, dict[str, Any]]:
+def kronecker_factors(im: KfacInfluence, job: FactorJob, client: Client | None, threads: int = 1) -> dict[str, dict[str, Any]]:
     """K-FAC/EK-FAC state from block sums: covariances, their eigenbases, then (EK-FAC) the corrected eigenvalues."""
-    sums = _block_sums(client, covariance_chunk, job)
+    sums = _block_sums(client, covariance_chunk, job, threads)
     bases = {name: factor_bases(values) for name, values in sums.items()}
-    corrected = _block_sums(client, correction_chunk, job, bases=bases) if im.eigen_correction else None
+    corrected = _block_sums(client, correction_chunk, job, threads, bases=bases) if im.eigen_correction else None
     return im.factor_state(sums, bases, corrected)
+
+
+FACTOR_PASS_FORWARDS = 6  # a factor pass costs about 6 forward passes: forward and backward (3), the factors' products (~3)
+
+
+def factor_flops(im: KfacInfluence, x: Any, n_rows: int) -> float:
+    """The factor passes' estimated FLOPs over n_rows, from one forward over the rows x (`forward_flops`)."""
+    passes = 2 if im.eigen_correction else 1
+    return passes * FACTOR_PASS_FORWARDS * forward_flops(im.objective.model, x) * n_rows / examples.count(x)
 
 
 def check_method(method: MethodSpec, model: ModelSpec, data: DataRef) -> None:
@@ -132,15 +150,19 @@ def _fit(stage: PreconditionerInput, client_factory: Callable[[], Any], loc: Sta
     if isinstance(im, KfacInfluence):
         batch = next(iter(batches))
         im.objective.check_outputs(*batch)
-        with client_factory() as client:
-            state = kronecker_factors(im, FactorJob(method, model, data, store.options, stage.compute.torch_device), client)
+        flops = factor_flops(im, examples.take(batch[0], slice(0, 1)), data.n_train)
+        here = runs_here(stage.compute, flops)
+        with nullcontext() if here else client_factory() as client:
+            state = kronecker_factors(im, FactorJob(method, model, data, store.options, stage.compute.torch_device), client, in_process_threads(stage.compute))
+        ran = ran_here(stage.compute, flops, in_process_flops(stage.compute)) if here else ClusterKind(stage.compute.cluster).value
         state = on_device(state, stage.compute.torch_device)
         im.load_state_dict({f"{block}/{key}": value for block, values in state.items() for key, value in values.items()}, train=batches)
     else:
         im.fit(batches)
+        ran = "in the flow's process"
     url = loc.path("curvature.pt")
     save_tensors(url, im.state_dict(), store.options)
-    return {"url": url, "fingerprint": loc.key, "shape": (im.objective.space.dim,), "dtype": model.dtype, "work": im.work.as_dict(), "parameters": im.attributed_parameters()}
+    return {"url": url, "fingerprint": loc.key, "shape": (im.objective.space.dim,), "dtype": model.dtype, "work": im.work.as_dict(), "parameters": im.attributed_parameters(), "ran": ran}
 
 
 def run(stage: PreconditionerInput, client_factory: Callable[[], Any]) -> StageRef:

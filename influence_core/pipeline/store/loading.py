@@ -95,12 +95,11 @@ def index_projection(im: InfluenceFunctionModel, data: DataRef, options: dict[st
     index keeps (`keep_whitening`; an index written before they were kept: computed again)."""
     arrays = open_data(data, options)
     x, y = examples.read(arrays["x_train"], slice(0, 8)), examples.read(arrays["y_train"], slice(0, 8))
-    damped = {layer.name: im.solvers[layer.block].damped(im.objective.space.dtype) for layer in im.layers} if isinstance(im, KfacInfluence) else None  # type: ignore[attr-defined]
     kept = None
-    if whitening_url is not None and damped and storage.exists(whitening_url, options):
+    if whitening_url is not None and isinstance(im, KfacInfluence) and storage.exists(whitening_url, options):
         state = _whitening_state(whitening_url, options)
-        kept = {name: (state[f"{name}/left"], state[f"{name}/right"]) for name in damped}
-    return IndexProjection(im.gradient_split(x, y), im.row_order, side, seed=0, damped=damped, whitening=kept)
+        kept = {layer.name: (state[f"{layer.name}/left"], state[f"{layer.name}/right"]) for layer in im.layers}
+    return IndexProjection.for_model(im, x, y, side, whitening=kept)
 
 
 def keep_whitening(projection: IndexProjection, url: str, options: dict[str, Any]) -> bool:

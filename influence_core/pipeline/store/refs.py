@@ -36,6 +36,7 @@ class StageRef(Ref):
     producer: str  # host:pid of the process that computed it
     work: dict[str, float] = {}  # influence_core.work.Work counters of the computation (empty when it counts none)
     parameters: dict[str, Any] = {}  # fit_preconditioner: the parameters attributed, excluded and frozen (InfluenceFunctionModel.attributed_parameters)
+    ran: str = ""  # where its tasks ran: the cluster's kind, or the flow's process (threads, the work's GFLOP, the bound)
 
 
 WHITENING_FILE = "whitening.pt"  # in a whitened compressed index's group: in its inventory, so a damaged one is found
@@ -109,7 +110,6 @@ class ScoresRef(StageRef):
     gradient_rows: int
     self_influence: dict[str, Any]
     candidates: dict[str, Any] = {}  # FastIF's prefilter: k, index, scored rows, feature and index seconds (empty: full scores)
-    ran: str = ""  # where the chunks ran: the cluster's kind, or the flow's process for a small index's products
 
 
 class IndexRef(StageRef):
