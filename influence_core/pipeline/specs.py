@@ -587,6 +587,13 @@ class ComputeSpec(Spec):
         description="Intra-op threads of the stages that compute in the flow process (training, curvature, query factors); "
         "every Dask task uses 1. Fixed, not taken from the machine, so a stage gives bit-identical results in any process.",
     )
+    in_process_gflop: float | None = Field(
+        None, ge=0, title="In-process work (GFLOP)",
+        description="A stage's tasks (factor passes, the index pass, scoring) whose estimated work is under this many GFLOP run in the "
+        "flow's process, on as many threads as a local cluster has workers, with the workers' arithmetic (the same bits), and start no "
+        "cluster. Empty: automatic (100; with a local cluster not yet started, what its workers do in 5× its ~3 s start, 2,550 for 2 "
+        "workers). 0: every task on the cluster's workers.",
+    )
     allow_multithreaded_workers: bool = Field(False, title="Allow multi-threaded workers", description="Accept workers with several threads although the method is not thread-safe.")
     train_chunk_rows: int | None = Field(None, ge=1, title="Train rows per task", description="Training examples scored per task and written as one shard (empty: from target_shard_mb, and at least 8 tasks).")
     target_shard_mb: float = Field(64.0, gt=0, title="Shard size (MB)", description="Target size of one shard of the scores array.")

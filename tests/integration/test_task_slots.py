@@ -48,11 +48,11 @@ def test_throttled_runs_at_most_slots_tasks_at_once_and_returns_each_result_by_i
 
 @pytest.mark.parametrize(
     ("cluster", "workers", "expected"),
-    [("local", 2, 0.5 * 3.0 * 85e9 * 2), ("local", 16, 0.5 * 3.0 * 85e9 * 16), ("local", 1, float("inf")), ("sequential", 2, 1e11), ("address", 2, 1e11)],
+    [("local", 2, 3.0 / 0.2 * 85e9 * 2), ("local", 16, 3.0 / 0.2 * 85e9 * 16), ("local", 1, float("inf")), ("sequential", 2, 1e11), ("address", 2, 1e11)],
 )
 def test_a_cold_local_cluster_leaves_more_work_to_the_flows_process(cluster: str, workers: int, expected: float) -> None:
-    """What w single-threaded workers do in half the 3 s start they would need first, at 85 GFLOP/s a core; only a
-    local cluster's work moves here, on as many threads as it has workers."""
+    """What w single-threaded workers do in 5× the 3 s start they would need first (so the start costs at most 20%),
+    at 85 GFLOP/s a core; only a local cluster's work moves here, on as many threads as it has workers."""
     address = {"address": "tcp://127.0.0.1:8786"} if cluster == "address" else {}
     spec = ComputeSpec(cluster=cluster, n_workers=workers, **address)
     assert in_process_flops(spec) == pytest.approx(expected)
@@ -61,10 +61,17 @@ def test_a_cold_local_cluster_leaves_more_work_to_the_flows_process(cluster: str
     assert not runs_here(spec, 1.01 * expected)
 
 
+@pytest.mark.parametrize("gflop", [0.0, 7.5])
+def test_compute_in_process_gflop_sets_the_bound_whatever_the_cluster(gflop: float) -> None:
+    for spec in (ComputeSpec(cluster="local", n_workers=2, in_process_gflop=gflop), ComputeSpec(cluster="sequential", in_process_gflop=gflop)):
+        assert in_process_flops(spec) == gflop * 1e9
+    assert runs_here(ComputeSpec(cluster="local", in_process_gflop=gflop), 7e9) == (gflop > 7)  # 0: every task on the workers
+
+
 def test_a_running_shared_cluster_keeps_the_warm_bound() -> None:
     spec = ComputeSpec(cluster="local", n_workers=2)
     with shared_clusters():
-        assert not is_running(spec) and in_process_flops(spec) == pytest.approx(255e9)
+        assert not is_running(spec) and in_process_flops(spec) == pytest.approx(2.55e12)
         with dask_client(spec, thread_safe=True) as client:
             assert client is not None and is_running(spec)
             assert in_process_flops(spec) == 1e11
@@ -73,5 +80,5 @@ def test_a_running_shared_cluster_keeps_the_warm_bound() -> None:
 
 def test_the_summary_says_on_how_many_threads_and_under_which_bound_the_work_ran_here() -> None:
     two, one = ComputeSpec(cluster="local", n_workers=2), ComputeSpec(cluster="local", n_workers=1)
-    assert ran_here(two, 44.2e9, 255e9, ", an index under 256 MiB") == "in the flow's process on 2 threads (44.2 GFLOP of at most 255, an index under 256 MiB: no workers started)"
+    assert ran_here(two, 44.2e9, 2.55e12) == "in the flow's process on 2 threads (44.2 GFLOP of at most 2,550: no workers started)"
     assert ran_here(one, 1e12, float("inf")) == "in the flow's process on 1 thread (1,000.0 GFLOP; one worker would be no faster: no workers started)"

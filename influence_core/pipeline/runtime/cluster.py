@@ -23,6 +23,7 @@ from ..specs import ClusterKind, ComputeSpec
 
 IN_PROCESS_FLOPS = 1e11  # with the cluster up: ~1.2 s of one core (85 GFLOP/s on the 2-core CI machine)
 CORE_FLOPS, CLUSTER_START_SECONDS = 85e9, 3.0  # one core's GEMM rate; a local cluster's start with its workers' imports
+OVERHEAD_SHARE = 0.2  # the most of a stage's time a cluster's start may take (the project's 1.2x overhead budget)
 WORKER_EXIT_SECONDS = 60.0  # a worker process exits in seconds; one still alive after this is killed
 PROBE_TIMEOUT = 3.0  # seconds: an unreachable scheduler is reported at once, not after the client's 20 s timeout
 
@@ -78,14 +79,18 @@ def is_running(spec: ComputeSpec) -> bool:
 
 def in_process_flops(compute: ComputeSpec) -> float:
     """The most work (FLOPs) of a stage's tasks that runs in this process (`in_process_threads`) rather than on the
-    cluster: IN_PROCESS_FLOPS when the cluster is up or is not local; when a local cluster would have to start, the
-    work its w workers do in half that start, so the start would cost more than twice the work (255 GFLOP for 2);
-    with one worker, any (one thread here is no slower than one worker). Larger work goes to the workers, whose
-    processes bound its memory and outlive a crash."""
+    cluster: compute.in_process_gflop when set; else IN_PROCESS_FLOPS when the cluster is up or is not local, and
+    when a local cluster would have to start, what its w workers do in OVERHEAD_SHARE⁻¹ times that start (2,550 GFLOP
+    for 2), so the start never costs more than the project's 20% overhead budget; with one worker, any (one thread
+    here is no slower than one worker). Threads here do the work as fast as the workers (W3's factor passes 1.45 s
+    on 2 threads, 1.46 s in the library); larger work goes to the workers, whose processes bound its memory and
+    outlive a crash."""
+    if compute.in_process_gflop is not None:
+        return compute.in_process_gflop * 1e9
     if compute.cluster != ClusterKind.local or is_running(compute):
         return IN_PROCESS_FLOPS
     workers = compute.n_workers
-    return math.inf if workers == 1 else max(IN_PROCESS_FLOPS, 0.5 * CLUSTER_START_SECONDS * CORE_FLOPS * workers)
+    return math.inf if workers == 1 else max(IN_PROCESS_FLOPS, CLUSTER_START_SECONDS / OVERHEAD_SHARE * CORE_FLOPS * workers)
 
 
 def in_process_threads(compute: ComputeSpec) -> int:
@@ -99,11 +104,11 @@ def runs_here(compute: ComputeSpec, flops: float) -> bool:
     return compute.cluster == ClusterKind.local and flops < in_process_flops(compute)
 
 
-def ran_here(compute: ComputeSpec, flops: float, bound: float, note: str = "") -> str:
+def ran_here(compute: ComputeSpec, flops: float, bound: float) -> str:
     """Where a summary says a stage's tasks ran, when in this process: on how many threads, their work and its bound."""
     threads = in_process_threads(compute)
     limit = "; one worker would be no faster" if math.isinf(bound) else f" of at most {bound / 1e9:,.0f}"
-    return f"in the flow's process on {threads} thread{'s' if threads > 1 else ''} ({flops / 1e9:,.1f} GFLOP{limit}{note}: no workers started)"
+    return f"in the flow's process on {threads} thread{'s' if threads > 1 else ''} ({flops / 1e9:,.1f} GFLOP{limit}: no workers started)"
 
 
 @contextmanager

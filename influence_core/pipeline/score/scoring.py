@@ -32,10 +32,10 @@ from ..store.refs import DataRef, IndexRef, ScoresRef
 from ...self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
 from .score_input import Member, ScoringInput, output_bytes
 from ..runtime.cluster import in_process_flops, in_process_threads, ran_here
-from ..specs import AggregateSpec, ClusterKind, ComputeSpec
-from ...work import Work
+from ..specs import METHOD_CLASSES, AggregateSpec, ClusterKind, ComputeSpec
+from ...work import Work, forward_flops
 from ...methods import InfluenceFunctionModel
-from ..store.loading import index_projection, load_influence_model, save_tensors
+from ..store.loading import first_training_row, index_projection, load_influence_model, load_model, save_tensors
 from ..store.stage import StageLocation
 from ..store.run_store import RunStore
 
@@ -243,19 +243,38 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
 
 
 IN_PROCESS_INDEX_BYTES = 256 * 2**20  # a small index's products may run here (`in_process`): its rows are read in this process
+IN_PROCESS_FACTOR_BYTES = 2 * 2**30  # and scoring without an index, when the threads' copies of the query factors fit this
+GRADIENT_FORWARDS = 3  # a training row's gradient costs about 3 forward passes (forward and backward)
 
 
 def in_process(job: ScoreJob) -> tuple[float, float] | None:
-    """(products in FLOPs, their bound) when the chunks run in this process, not on the cluster (else None): a small
-    index's products for few queries, on this machine (the cluster's own, so not an `address` cluster's), as the
-    chunk tasks' arithmetic on `in_process_threads`, so the same bits."""
-    if not isinstance(job, IndexScoreJob) or job.stage.compute.cluster == ClusterKind.address:
+    """(work in FLOPs, its bound) when the chunks run in this process, not on the cluster (else None), as the chunk
+    tasks' arithmetic on `in_process_threads`, so the same bits, and on this machine (the cluster's own, so not an
+    `address` cluster's): a small index's products, or, with a local cluster, the training gradients and their
+    products when the threads' query factors fit IN_PROCESS_FACTOR_BYTES and no method solves on the data."""
+    compute = job.stage.compute
+    n_test, n_train, bound = job.stage.layout.n_test, job.stage.data.n_train, in_process_flops(compute)
+    if compute.cluster == ClusterKind.address:
         return None
-    indexes = [member.index for member in job.stage.members if member.index is not None]
-    n_test, n_train = job.stage.layout.n_test, job.stage.data.n_train
-    size, bound = sum(index.bytes_per_row for index in indexes) * n_train, in_process_flops(job.stage.compute)
-    flops = sum(2.0 * n_test * n_train * index.shape[1] for index in indexes)
-    return (flops, bound) if size < IN_PROCESS_INDEX_BYTES and flops < bound else None
+    if isinstance(job, IndexScoreJob):
+        indexes = [member.index for member in job.stage.members if member.index is not None]
+        flops = sum(2.0 * n_test * n_train * index.shape[1] for index in indexes)
+        small = sum(index.bytes_per_row for index in indexes) * n_train < IN_PROCESS_INDEX_BYTES
+        return (flops, bound) if small and flops < bound else None
+    members = job.stage.members
+    held = in_process_threads(compute) * sum(math.prod(member.factors.shape) * 4 for member in members)
+    if compute.cluster != ClusterKind.local or METHOD_CLASSES[job.stage.method.name].solves_on_data or held >= IN_PROCESS_FACTOR_BYTES:
+        return None
+    flops = _training_side_flops(job) + sum(2.0 * n_test * n_train * member.factors.shape[-1] for member in members)
+    return (flops, bound) if flops < bound else None
+
+
+def _training_side_flops(job: ScoreJob) -> float:
+    """Every member's training gradients, estimated from one forward over the first training row."""
+    stage = job.stage
+    device = stage.compute.torch_device
+    row = forward_flops(load_model(stage.members[0].model, job.options, device), first_training_row(stage.data, job.options, device))
+    return len(stage.members) * GRADIENT_FORWARDS * row * stage.data.n_train
 
 
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:
@@ -278,7 +297,7 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
         "dtype": "float32",
         "n_chunks": layout.n_tasks,
         "chunks_computed": len(chunks),
-        "ran": ClusterKind(job.stage.compute.cluster).value if here is None else ran_here(job.stage.compute, *here, note=", an index under 256 MiB"),
+        "ran": ClusterKind(job.stage.compute.cluster).value if here is None else ran_here(job.stage.compute, *here),
         "gradient_rows": work.gradient_rows,
         "work": work.as_dict(),
         "self_influence": described,

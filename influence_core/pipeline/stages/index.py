@@ -34,7 +34,7 @@ from ...work import Work, forward_flops
 from ..runtime.cluster import in_process_flops, in_process_threads, ran_here, runs_here
 from ..score.chunks import ChunkJob, Progress, execute
 from ..score.layout import MIN_TASKS
-from ..store.loading import index_projection, keep_whitening, load_influence_model, open_data
+from ..store.loading import first_training_row, index_projection, keep_whitening, load_influence_model, open_data
 from ..store.refs import WHITENING_FILE, DataRef, IndexRef, ModelRef, StageRef
 from ..store.run_store import RunStore
 from ..score.scoring import self_influence_plan, stored_plan
@@ -211,8 +211,7 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
     n_tasks = math.ceil(n_train / job.rows)
     chunks = job.pending(list(range(n_tasks)))
     compute = stage.compute
-    first = examples.map_inputs(examples.read(open_data(stage.data, stage.store.options)["x_train"], slice(0, 1)), lambda t: t.to(compute.torch_device))
-    flops = INDEX_PASS_FORWARDS * forward_flops(im.objective.model, first) * len(chunks) * job.rows
+    flops = INDEX_PASS_FORWARDS * forward_flops(im.objective.model, first_training_row(stage.data, stage.store.options, compute.torch_device)) * len(chunks) * job.rows
     here = runs_here(compute, flops)
     if chunks:
         with nullcontext() if here else client_factory() as client:

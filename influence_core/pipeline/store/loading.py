@@ -66,6 +66,11 @@ def save_tensors(url: str, tensors: dict[str, torch.Tensor], options: dict[str, 
     storage.write_bytes(url, buffer.getvalue(), options)
 
 
+def first_training_row(data: DataRef, options: dict[str, Any], device: str = "cpu") -> Any:
+    """The first training example's inputs, one row: what a stage runs one forward over to estimate its work."""
+    return examples.map_inputs(examples.read(open_data(data, options)["x_train"], slice(0, 1)), lambda t: t.to(device))
+
+
 def load_influence_model(
     method: MethodSpec, model: ModelRef, data: DataRef, preconditioner: StageRef, options: dict[str, Any], device: str = "cpu", train: Batches | None = None
 ) -> InfluenceFunctionModel:
