@@ -51,8 +51,9 @@ def torch_threads(n: int) -> Iterator[None]:
 
 def in_threads(fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], threads: int) -> Iterator[T]:
     """fn(*call) for every call, in call order, on `threads` threads of this process under TASK_THREADS torch
-    threads each: what a local cluster's single-threaded workers compute, the same bits, without starting them. At most 2·threads results wait to be taken; what is left is cancelled when
-    the caller stops early. fn must not share a torch module between calls (each task loads its own)."""
+    threads each: what a local cluster's single-threaded workers compute, the same bits, without starting them. At
+    most 2·threads results wait to be taken; what is left is cancelled when the caller stops early. fn must not share
+    a torch module between calls (each task loads its own)."""
     with torch_threads(TASK_THREADS):
         if threads <= 1:
             yield from (fn(*call) for call in calls)
@@ -71,5 +72,6 @@ def in_threads(fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], threads: 
 
 
 def _pinned(fn: Callable[..., T], call: tuple[Any, ...]) -> T:
+    """fn(*call) on a pool thread, under the count the calling thread holds."""
     with torch_threads(TASK_THREADS):
         return fn(*call)
