@@ -64,10 +64,12 @@ def forward_flops(model: nn.Module, x: Any) -> float:
             total[0] += 2.0 * out.numel() * _inputs_per_output(module)
 
     handles = [module.register_forward_hook(count) for module in model.modules() if _inputs_per_output(module)]
+    training = model.training
     try:
         with torch.no_grad():
-            examples.call(model, x)
+            examples.call(model.eval(), x)  # eval: a counting pass must not move BatchNorm's running statistics
     finally:
+        model.train(training)
         for handle in handles:
             handle.remove()
     return total[0]
@@ -76,9 +78,9 @@ def forward_flops(model: nn.Module, x: Any) -> float:
 def _inputs_per_output(module: nn.Module) -> int:
     """Multiply-adds per output number of a weight layer (0 for any other module): a Linear's or convolution's
     weight[0], a Conv1D's (in, out) weight's rows."""
-    weight = getattr(module, "weight", None)
     if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
         return module.weight[0].numel()
+    weight = getattr(module, "weight", None)
     if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.ndim == 2:
         return int(weight.shape[0])
     return 0

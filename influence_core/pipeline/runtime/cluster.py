@@ -9,7 +9,8 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import dask
@@ -99,9 +100,11 @@ def in_process_threads(compute: ComputeSpec) -> int:
     return compute.n_workers if compute.cluster == ClusterKind.local else 1
 
 
-def runs_here(compute: ComputeSpec, flops: float) -> bool:
-    """Whether a stage's tasks of `flops` FLOPs in all run in this process instead of a local cluster's workers."""
-    return compute.cluster == ClusterKind.local and flops < in_process_flops(compute)
+def runs_here(compute: ComputeSpec, flops: float, eligible: bool | None = None) -> bool:
+    """Whether a stage's tasks of `flops` FLOPs in all run in this process instead of on the cluster's workers: work
+    that may (`eligible`; by default a local cluster's) under `in_process_flops`."""
+    may = compute.cluster == ClusterKind.local if eligible is None else eligible
+    return may and flops < in_process_flops(compute)
 
 
 def ran_here(compute: ComputeSpec, flops: float, bound: float) -> str:
@@ -109,6 +112,34 @@ def ran_here(compute: ComputeSpec, flops: float, bound: float) -> str:
     threads = in_process_threads(compute)
     limit = "; one worker would be no faster" if math.isinf(bound) else f" of at most {bound / 1e9:,.0f}"
     return f"in the flow's process on {threads} thread{'s' if threads > 1 else ''} ({flops / 1e9:,.1f} GFLOP{limit}: no workers started)"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a stage's tasks run, decided once before they start: here on `threads` threads, or on the cluster."""
+
+    compute: ComputeSpec
+    flops: float
+    bound: float
+    here: bool
+
+    @property
+    def threads(self) -> int:
+        return in_process_threads(self.compute)
+
+    def client(self, factory: Callable[[], AbstractContextManager[Client | None]]) -> AbstractContextManager[Client | None]:
+        """No client when the tasks run here; else the one `factory` opens (None for a sequential cluster)."""
+        return nullcontext() if self.here else factory()
+
+    @property
+    def ran(self) -> str:
+        """What the stage's summary says under `ran`."""
+        return ran_here(self.compute, self.flops, self.bound) if self.here else ClusterKind(self.compute.cluster).value
+
+
+def place(compute: ComputeSpec, flops: float, eligible: bool | None = None) -> Placement:
+    """Where tasks of `flops` FLOPs in all run (`runs_here`)."""
+    return Placement(compute, flops, in_process_flops(compute), runs_here(compute, flops, eligible))
 
 
 @contextmanager

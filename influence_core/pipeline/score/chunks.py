@@ -137,7 +137,14 @@ class ChunkJob(ABC):
         """Score (or index) train chunk `index` with what `open()` loaded, and write its part."""
 
 
-_WORKERS = threading.local()  # each thread's own loaded jobs: one torch module must not serve two threads at once
+class _Kept(threading.local):
+    """Each thread's own loaded jobs, least recently used first: one torch module must not serve two threads at once."""
+
+    def __init__(self) -> None:
+        self.jobs: OrderedDict[str, Any] = OrderedDict()
+
+
+_WORKERS = _Kept()
 
 
 def _worker(job: ChunkJob) -> Any:
@@ -145,7 +152,7 @@ def _worker(job: ChunkJob) -> Any:
     on that thread reuse it. Keyed by the job and where it writes: two outputs of the same parameters share a key but
     never a worker's open arrays."""
     where = f"{job.key}:{job.influence_url}"
-    kept: OrderedDict[str, Any] = _WORKERS.__dict__.setdefault("jobs", OrderedDict())
+    kept = _WORKERS.jobs
     if where not in kept:
         kept[where] = job.open()
         while len(kept) > KEPT_WORKERS:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +30,11 @@ from ..model.models import load_state
 from ..store.refs import DataRef, IndexRef, ScoresRef
 from ...self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
 from .score_input import Member, ScoringInput, output_bytes
-from ..runtime.cluster import in_process_flops, in_process_threads, ran_here
+from ..runtime.cluster import Placement, in_process_threads, place
 from ..specs import METHOD_CLASSES, AggregateSpec, ClusterKind, ComputeSpec
 from ...work import Work, forward_flops
 from ...methods import InfluenceFunctionModel
-from ..store.loading import first_training_row, index_projection, load_influence_model, load_model, save_tensors
+from ..store.loading import build_module, first_training_row, index_projection, load_influence_model, save_tensors
 from ..store.stage import StageLocation
 from ..store.run_store import RunStore
 
@@ -242,38 +241,37 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
     return group
 
 
-IN_PROCESS_INDEX_BYTES = 256 * 2**20  # a small index's products may run here (`in_process`): its rows are read in this process
+IN_PROCESS_INDEX_BYTES = 256 * 2**20  # a small index's products may run here (`placement`): its rows are read in this process
 IN_PROCESS_FACTOR_BYTES = 2 * 2**30  # and scoring without an index, when the threads' copies of the query factors fit this
 GRADIENT_FORWARDS = 3  # a training row's gradient costs about 3 forward passes (forward and backward)
 
 
-def in_process(job: ScoreJob) -> tuple[float, float] | None:
-    """(work in FLOPs, its bound) when the chunks run in this process, not on the cluster (else None), as the chunk
-    tasks' arithmetic on `in_process_threads`, so the same bits, and on this machine (the cluster's own, so not an
-    `address` cluster's): a small index's products, or, with a local cluster, the training gradients and their
-    products when the threads' query factors fit IN_PROCESS_FACTOR_BYTES and no method solves on the data."""
+def placement(job: ScoreJob) -> Placement:
+    """Where the chunks run: in this process, as the chunk tasks' arithmetic on `in_process_threads` (the same bits),
+    when the work is small and may run on this machine (the cluster's own, so not an `address` cluster's): a small
+    index's products, or, with a local cluster, the training gradients and their products when the threads' query
+    factors fit IN_PROCESS_FACTOR_BYTES and no method solves on the data. Else on the cluster."""
     compute = job.stage.compute
-    n_test, n_train, bound = job.stage.layout.n_test, job.stage.data.n_train, in_process_flops(compute)
+    n_test, n_train = job.stage.layout.n_test, job.stage.data.n_train
     if compute.cluster == ClusterKind.address:
-        return None
+        return place(compute, 0.0, eligible=False)
     if isinstance(job, IndexScoreJob):
         indexes = [member.index for member in job.stage.members if member.index is not None]
-        flops = sum(2.0 * n_test * n_train * index.shape[1] for index in indexes)
         small = sum(index.bytes_per_row for index in indexes) * n_train < IN_PROCESS_INDEX_BYTES
-        return (flops, bound) if small and flops < bound else None
+        return place(compute, sum(2.0 * n_test * n_train * index.shape[1] for index in indexes), eligible=small)
     members = job.stage.members
     held = in_process_threads(compute) * sum(math.prod(member.factors.shape) * 4 for member in members)
     if compute.cluster != ClusterKind.local or METHOD_CLASSES[job.stage.method.name].solves_on_data or held >= IN_PROCESS_FACTOR_BYTES:
-        return None
-    flops = _training_side_flops(job) + sum(2.0 * n_test * n_train * member.factors.shape[-1] for member in members)
-    return (flops, bound) if flops < bound else None
+        return place(compute, 0.0, eligible=False)
+    return place(compute, _training_side_flops(job) + sum(2.0 * n_test * n_train * member.factors.shape[-1] for member in members))
 
 
 def _training_side_flops(job: ScoreJob) -> float:
-    """Every member's training gradients, estimated from one forward over the first training row."""
+    """Every member's training gradients, estimated from one forward over the first training row (the module as
+    built: FLOPs do not depend on its weights, so its checkpoint is not read)."""
     stage = job.stage
     device = stage.compute.torch_device
-    row = forward_flops(load_model(stage.members[0].model, job.options, device), first_training_row(stage.data, job.options, device))
+    row = forward_flops(build_module(stage.members[0].model, device), first_training_row(stage.data, job.options, device))
     return len(stage.members) * GRADIENT_FORWARDS * row * stage.data.n_train
 
 
@@ -283,10 +281,10 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
     group = _prepare_arrays(job, with_self_influence)
     layout = job.stage.layout
     chunks = job.pending(list(range(layout.n_tasks)))
-    here = in_process(job)
+    where = placement(job)
     if chunks:
-        with nullcontext() if here is not None else client_factory() as client:
-            work += execute(job, chunks, layout.n_tasks, client, on_progress, in_process_threads(job.stage.compute))
+        with where.client(client_factory) as client:
+            work += execute(job, chunks, layout.n_tasks, client, on_progress, where.threads)
     if with_self_influence:
         group["self_influence"].attrs["fingerprint"] = job.key
     group["scores"].attrs["fingerprint"] = job.key
@@ -297,7 +295,7 @@ def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Prog
         "dtype": "float32",
         "n_chunks": layout.n_tasks,
         "chunks_computed": len(chunks),
-        "ran": ClusterKind(job.stage.compute.cluster).value if here is None else ran_here(job.stage.compute, *here),
+        "ran": where.ran,
         "gradient_rows": work.gradient_rows,
         "work": work.as_dict(),
         "self_influence": described,

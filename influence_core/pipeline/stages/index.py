@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +30,14 @@ from ...methods import IdentityInfluence, InfluenceFunctionModel, KfacInfluence
 from ...methods.scorer import Scorer
 from ...self_influence import SelfInfluencePlan, describe
 from ...work import Work, forward_flops
-from ..runtime.cluster import in_process_flops, in_process_threads, ran_here, runs_here
+from ..runtime.cluster import place
 from ..score.chunks import ChunkJob, Progress, execute
 from ..score.layout import MIN_TASKS
 from ..store.loading import first_training_row, index_projection, keep_whitening, load_influence_model, open_data
 from ..store.refs import WHITENING_FILE, DataRef, IndexRef, ModelRef, StageRef
 from ..store.run_store import RunStore
 from ..score.scoring import self_influence_plan, stored_plan
-from ..specs import AggregateSpec, ClusterKind, ComputeSpec, MethodSpec
+from ..specs import AggregateSpec, ComputeSpec, MethodSpec
 from ..store.stage import StageCall, StageInput, StageLocation
 
 INDEX_CHUNK_BYTES = 4 * 2**20  # one stored chunk of index rows: what a scoring task reads per step
@@ -210,12 +209,11 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
         storage.remove(job.path("done"), job.options)
     n_tasks = math.ceil(n_train / job.rows)
     chunks = job.pending(list(range(n_tasks)))
-    compute = stage.compute
-    flops = INDEX_PASS_FORWARDS * forward_flops(im.objective.model, first_training_row(stage.data, stage.store.options, compute.torch_device)) * len(chunks) * job.rows
-    here = runs_here(compute, flops)
+    row = forward_flops(im.objective.model, first_training_row(stage.data, stage.store.options, stage.compute.torch_device))
+    placement = place(stage.compute, INDEX_PASS_FORWARDS * row * len(chunks) * job.rows)
     if chunks:
-        with nullcontext() if here else client_factory() as client:
-            work += execute(job, chunks, n_tasks, client, on_progress, in_process_threads(compute))
+        with placement.client(client_factory) as client:
+            work += execute(job, chunks, n_tasks, client, on_progress, placement.threads)
     group = storage.open_group(job.url, stage.store.options, mode="a")
     for name in ("features", "self_influence"):
         if name in group:
@@ -224,7 +222,7 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
     return {
         "url": storage.join(loc.url, "index.zarr"), "fingerprint": loc.key, "shape": (n_train, layout.dim), "dtype": str(layout.dtype).removeprefix("torch."),
         "bytes_per_row": layout.row_bytes, "compression": layout.compression, "side": layout.side, "rows_per_chunk": job.rows, "chunks_computed": len(chunks),
-        "n_chunks": n_tasks, "ran": ran_here(compute, flops, in_process_flops(compute)) if here else ClusterKind(compute.cluster).value, "gradient_rows": work.gradient_rows, "work": work.as_dict(), "self_influence": {"mode": stage.aggregate.self_influence, **describe(plan)},
+        "n_chunks": n_tasks, "ran": placement.ran, "gradient_rows": work.gradient_rows, "work": work.as_dict(), "self_influence": {"mode": stage.aggregate.self_influence, **describe(plan)},
     }
 
 

@@ -2,7 +2,7 @@
 
 K-FAC and EK-FAC factors are sums over examples, computed on equal blocks of at most FACTOR_ROWS training rows
 and FACTOR_POSITIONS loss positions, one task each (on the Dask cluster, or here on as many threads as a local
-cluster has workers when the passes are small: `runs_here`), with one torch thread, and added in a fixed pairwise
+cluster has workers when the passes are small: `runtime.cluster.place`), with one torch thread, and added in a fixed pairwise
 tree over the blocks (on the cluster, as tasks).
 The partition depends on nothing but the data's shape, and sampled labels are tied to example indices, so every
 cluster kind gives the same bits. Every other method fits in this process with `compute.torch_threads` threads.
@@ -11,7 +11,6 @@ cluster kind gives the same bits. Every other method fits in this process with `
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -26,9 +25,9 @@ from ...methods.kfac import Sums, factor_bases, merge
 from ..model.models import build_model
 from ...reduction import pairwise_sum, summed_tasks
 from ...work import forward_flops
-from ..runtime.cluster import in_process_flops, in_process_threads, ran_here, runs_here
+from ..runtime.cluster import place
 from ..store.refs import DataRef, ModelRef, StageRef
-from ..specs import ClusterKind, ComputeSpec, MagicMethod, MethodSpec, ModelSpec
+from ..specs import ComputeSpec, MagicMethod, MethodSpec, ModelSpec
 from ..runtime.threads import TASK_THREADS, in_threads, torch_threads
 from ..store.loading import load_model, open_data, save_tensors, train_batches
 from ..store.stage import StageCall, StageInput, StageLocation
@@ -150,11 +149,10 @@ def _fit(stage: PreconditionerInput, client_factory: Callable[[], Any], loc: Sta
     if isinstance(im, KfacInfluence):
         batch = next(iter(batches))
         im.objective.check_outputs(*batch)
-        flops = factor_flops(im, examples.take(batch[0], slice(0, 1)), data.n_train)
-        here = runs_here(stage.compute, flops)
-        with nullcontext() if here else client_factory() as client:
-            state = kronecker_factors(im, FactorJob(method, model, data, store.options, stage.compute.torch_device), client, in_process_threads(stage.compute))
-        ran = ran_here(stage.compute, flops, in_process_flops(stage.compute)) if here else ClusterKind(stage.compute.cluster).value
+        placement = place(stage.compute, factor_flops(im, examples.take(batch[0], slice(0, 1)), data.n_train))
+        with placement.client(client_factory) as client:
+            state = kronecker_factors(im, FactorJob(method, model, data, store.options, stage.compute.torch_device), client, placement.threads)
+        ran = placement.ran
         state = on_device(state, stage.compute.torch_device)
         im.load_state_dict({f"{block}/{key}": value for block, values in state.items() for key, value in values.items()}, train=batches)
     else:

@@ -52,12 +52,16 @@ def train_batches(data: DataRef, options: dict[str, Any], batch_size: int) -> Ba
     return ArrayBatches(x, y, batch_size)
 
 
-def load_model(model: ModelRef, options: dict[str, Any], device: str = "cpu") -> nn.Module:
-    """The trained module on `device`: rebuilt from its spec, weights read with weights_only=True."""
+def build_module(model: ModelRef, device: str = "cpu") -> nn.Module:
+    """The model's module on `device`, rebuilt from its spec, without its trained weights."""
     spec = ModelSpec.model_validate(model.spec)
     shape = tuple(model.feature_shape) if model.feature_shape is not None else None
-    module = spec.build(model.in_features, model.out_features, shape).to(device=device, dtype=getattr(torch, spec.dtype))
-    return load_into(module, load_state(model.url, options, field="model", device=device), field="model")
+    return spec.build(model.in_features, model.out_features, shape).to(device=device, dtype=getattr(torch, spec.dtype))
+
+
+def load_model(model: ModelRef, options: dict[str, Any], device: str = "cpu") -> nn.Module:
+    """The trained module on `device`: rebuilt from its spec, weights read with weights_only=True."""
+    return load_into(build_module(model, device), load_state(model.url, options, field="model", device=device), field="model")
 
 
 def save_tensors(url: str, tensors: dict[str, torch.Tensor], options: dict[str, Any]) -> None:
