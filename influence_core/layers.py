@@ -314,15 +314,16 @@ def capture(
     if any(not outputs[n].requires_grad for n in names):
         raise ConfigError("method.modules", "tracked layers produce outputs without gradients", "list only layers with requires_grad=True parameters in method.modules")
     if mode == "labels":
-        roots, cotangents = [task.mean_loss(out, y) * examples.count(x)], [None]  # the sum over examples: each gets its own gradient
+        roots = [task.mean_loss(out, y) * examples.count(x)]  # the sum over examples: each gets its own gradient
     elif mode == "measurement":
-        roots, cotangents = [task.measurement(out, y).sum()], [None]
+        roots = [task.measurement(out, y).sum()]
     else:
-        cotangents = fisher_cotangents(task, out.detach(), y, mode, noise, offset, samples)
-        roots = [out] * len(cotangents)
+        # ⟨out, c⟩ has the gradient of a backward from out with cotangent c, bit for bit; a tensor cotangent would make
+        # autograd import torch.fx's symbolic shapes (sympy: 0.2 s, once per process, on every worker)
+        roots = [(out * c).sum() for c in fisher_cotangents(task, out.detach(), y, mode, noise, offset, samples)]
     grads: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    for i, (root, cotangent) in enumerate(zip(roots, cotangents)):
-        found = torch.autograd.grad(root, [outputs[n] for n in names], cotangent, retain_graph=i + 1 < len(roots))
+    for i, root in enumerate(roots):
+        found = torch.autograd.grad(root, [outputs[n] for n in names], retain_graph=i + 1 < len(roots))
         for layer, g in zip(layers, found):
             grads[layer.name].append(layer.output_grads(g.detach(), inputs[layer.name]))
     return Capture(inputs, grads)
