@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from .methods.influence_model import InfluenceFunctionModel
 
 WHITENING_RTOL = 1e-3  # the largest relative error of an entry of the factored W = D^(-1/2)
+# the formed path's multiply-adds ran at 14-15 G/s on one EPYC thread for matrices of 10^5 entries (W3's 1024 × 101
+# layer: 0.53 ms an example, against 0.17 factored at full rank), the factored ones at 22-50 (benchmarks/projection_paths.py)
+FORMED_COST = 1.5
 
 
 def orthogonal_rows(k: int, n: int, key: list[int]) -> torch.Tensor:
@@ -56,9 +59,10 @@ def whitening_factors(damped: torch.Tensor, rtol: float) -> tuple[torch.Tensor, 
 
 def factored_is_cheaper(rank: int, shape: tuple[int, int], sides: tuple[int, int], positions: int) -> bool:
     """Whether projecting G ∘ W from T captures through rank-R factors, R·T·(k_out·out + k_in·in + k_out·k_in)
-    multiply-adds per example, costs less than forming G, whitening and projecting it, out·in·(T + 1 + k_out) + k_out·k_in·in."""
+    multiply-adds per example, costs less than forming G, whitening and projecting it, out·in·(T + 1 + k_out) +
+    k_out·k_in·in, whose multiply-adds count FORMED_COST times: they run slower (one matrix per example)."""
     (out, inp), (k_out, k_in) = shape, sides
-    return rank * positions * (k_out * out + k_in * inp + k_out * k_in) < out * inp * (positions + 1 + k_out) + k_out * k_in * inp
+    return rank * positions * (k_out * out + k_in * inp + k_out * k_in) < FORMED_COST * (out * inp * (positions + 1 + k_out) + k_out * k_in * inp)
 
 
 def factored_projection(a: torch.Tensor, g: torch.Tensor, phi: tuple[torch.Tensor, torch.Tensor], whitening: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -135,8 +135,10 @@ def test_factored_whitening_is_the_explicit_projection():
 
 
 def test_factored_whitening_only_where_cheaper():
-    """The cost rule: W3's 1024 × 1025 layer at side 64 and one position is cheaper factored at rank 39, not at full rank."""
+    """The cost rule: W3's 1024 × 1025 layer at side 64 and one position is cheaper factored at rank 39, not at full rank;
+    its 1024 × 101 layer factored at full rank (its formed matrices' slower multiply-adds count FORMED_COST times)."""
     assert factored_is_cheaper(39, (1024, 1025), (64, 64), 1)
+    assert factored_is_cheaper(101, (1024, 101), (64, 64), 1)
     assert not factored_is_cheaper(1024, (1024, 1025), (64, 64), 1)
     assert not factored_is_cheaper(20, (30, 20), (5, 5), 3)
 
