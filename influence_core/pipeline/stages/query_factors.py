@@ -107,11 +107,12 @@ CG_BLOCK_ROWS = 16  # the fewest queries a block of a data-pass solver (CG) solv
 LOG_POLL_SECONDS = 0.5  # while blocks run on workers, their log lines are re-emitted here at least this often
 
 
-def solve_rows(n_test: int, im: InfluenceFunctionModel) -> int:
-    """Queries per solve block: as many as fit the method's memory budget; a method whose solve passes over the
+def solve_rows(n_test: int, im: InfluenceFunctionModel, width: int | None = None) -> int:
+    """Queries per solve block: as many as fit the method's memory budget at `width` numbers a row (the factors'; an
+    index's coordinates when the queries are projected from their captures); a method whose solve passes over the
     training data (CG) splits them further into MIN_TASKS blocks, each of at least CG_BLOCK_ROWS, so a cluster's
     workers share them. A function of the data and the method only: every cluster kind solves the same blocks."""
-    rows = max(1, min(n_test, im.solve_block_bytes // (8 * im.objective.space.dim)))
+    rows = max(1, min(n_test, im.solve_block_bytes // (8 * (width or im.objective.space.dim))))
     return min(rows, max(CG_BLOCK_ROWS, math.ceil(n_test / MIN_TASKS))) if im.solves_on_data else rows
 
 
@@ -189,7 +190,7 @@ def _compute(stage: QueryFactorsInput, loc: StageLocation, client_factory: Calla
     taken = projection is not None and projection.from_captures(im)  # else solved as without an index; scoring projects them
     if method.name == "lissa":
         dense, work = _lissa_dense(method, model, data, preconditioner, store.options, stage.device, client_factory)
-    block = solve_rows(n_test, im)
+    block = solve_rows(n_test, im, projection.dim if projection is not None and taken else None)
     spans = [(lo, min(lo + block, n_test)) for lo in range(0, n_test, block)]
     if taken:
         assert projection is not None
