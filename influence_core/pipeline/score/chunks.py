@@ -9,6 +9,7 @@ marker alone never counts), so a rerun submits only the rest.
 from __future__ import annotations
 
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from ...examples import Inputs
 from ...methods.scorer import Scorer
 from ...self_influence import SelfInfluencePlan
 from ...work import Work
-from ..store.loading import load_influence_model, open_data, read_factors, train_batches
+from ..store.loading import batches_of, load_influence_model, read_factors, training_rows
 from .score_input import Member, ScoringInput
 from ..runtime.cluster import task_slots, throttled
 from ..runtime.threads import TASK_THREADS, in_threads, torch_threads
@@ -39,18 +40,19 @@ class ChunkWorker:
 
     def __init__(self, job: ChunkJob) -> None:
         stage = job.stage
-        arrays = open_data(stage.data, job.options)
-        self.x, self.y = arrays["x_train"], arrays["y_train"]
-        train = train_batches(stage.data, job.options, stage.method.batch_size)  # read once, shared by the members
+        self.x, self.y = training_rows(stage.data, job.options)
+        train = batches_of(self.x, self.y, stage.method.batch_size)  # read once, shared by the members
         plans = [job.self_influence_plan(index) for index in range(len(stage.members))]
         self.scorers = [self._scorer(job, member, plan, train) for member, plan in zip(stage.members, plans)]
         self.held = job.hold(plans[0])
 
     def _scorer(self, job: ChunkJob, member: Member, plan: SelfInfluencePlan | None, train: Batches) -> Scorer:
-        """One member's scorer: its influence model with its curvature, its query factors and its self-influence plan."""
+        """One member's scorer: its influence model with its curvature, its query factors (read once for every thread
+        of this process: `_FACTORS`) and its self-influence plan."""
         stage = job.stage
         im = load_influence_model(stage.method, member.model, stage.data, member.preconditioner, job.options, stage.compute.torch_device, train)
-        return Scorer(im, read_factors(im, member.factors.url, job.options, self.x, self.y), plan)
+        factors = _FACTORS.get(f"{member.factors.url}#{member.factors.fingerprint}", lambda: read_factors(im, member.factors.url, job.options, self.x, self.y))
+        return Scorer(im, factors, plan)
 
     def __call__(self, x: Inputs, y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Scores and self-influences of the rows (x, y): the members' mean, summed member by member so that a chunk's
@@ -135,6 +137,28 @@ class ChunkJob(ABC):
     @abstractmethod
     def score(self, worker: Any, index: int) -> None:
         """Score (or index) train chunk `index` with what `open()` loaded, and write its part."""
+
+
+class _Shared:
+    """Read-only values the threads of this process load once between them, kept while one of them holds a value:
+    the query factors, which no scorer writes to (a worker thread's scorer holds them; when its thread ends with
+    the stage, they go)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+    def get(self, key: str, load: Callable[[], Any]) -> Any:
+        """The value under `key`, loaded by the first thread that asks; the others wait for it."""
+        with self._lock:
+            value = self._values.get(key)
+            if value is None:
+                value = load()
+                self._values[key] = value
+            return value
+
+
+_FACTORS = _Shared()
 
 
 class _Kept(threading.local):

@@ -30,7 +30,7 @@ from ..model.models import load_state
 from ..store.refs import DataRef, IndexRef, ScoresRef
 from ...self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
 from .score_input import Member, ScoringInput, output_bytes
-from ..runtime.cluster import Placement, in_process_threads, place
+from ..runtime.cluster import Placement, place
 from ..specs import METHOD_CLASSES, AggregateSpec, ClusterKind, ComputeSpec
 from ...work import Work, forward_flops
 from ...methods import InfluenceFunctionModel
@@ -242,15 +242,15 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
 
 
 IN_PROCESS_INDEX_BYTES = 256 * 2**20  # a small index's products may run here (`placement`): its rows are read in this process
-IN_PROCESS_FACTOR_BYTES = 2 * 2**30  # and scoring without an index, when the threads' copies of the query factors fit this
+IN_PROCESS_FACTOR_BYTES = 2 * 2**30  # and scoring without an index, when the query factors (one copy, the threads share it) fit this
 GRADIENT_FORWARDS = 3  # a training row's gradient costs about 3 forward passes (forward and backward)
 
 
 def placement(job: ScoreJob) -> Placement:
     """Where the chunks run: in this process, as the chunk tasks' arithmetic on `in_process_threads` (the same bits),
     when the work is small and may run on this machine (the cluster's own, so not an `address` cluster's): a small
-    index's products, or, with a local cluster, the training gradients and their products when the threads' query
-    factors fit IN_PROCESS_FACTOR_BYTES and no method solves on the data. Else on the cluster."""
+    index's products, or, with a local cluster, the training gradients and their products when the query factors
+    (the threads read one copy) fit IN_PROCESS_FACTOR_BYTES and no method solves on the data. Else on the cluster."""
     compute = job.stage.compute
     n_test, n_train = job.stage.layout.n_test, job.stage.data.n_train
     if compute.cluster == ClusterKind.address:
@@ -260,7 +260,7 @@ def placement(job: ScoreJob) -> Placement:
         small = sum(index.bytes_per_row for index in indexes) * n_train < IN_PROCESS_INDEX_BYTES
         return place(compute, sum(2.0 * n_test * n_train * index.shape[1] for index in indexes), eligible=small)
     members = job.stage.members
-    held = in_process_threads(compute) * sum(math.prod(member.factors.shape) * 4 for member in members)
+    held = sum(math.prod(member.factors.shape) * 4 for member in members)
     if compute.cluster != ClusterKind.local or METHOD_CLASSES[job.stage.method.name].solves_on_data or held >= IN_PROCESS_FACTOR_BYTES:
         return place(compute, 0.0, eligible=False)
     return place(compute, _training_side_flops(job) + sum(2.0 * n_test * n_train * member.factors.shape[-1] for member in members))

@@ -39,17 +39,28 @@ def open_data(data: DataRef, options: dict[str, Any]) -> dict[str, Any]:
 IN_MEMORY_BYTES = 64 * 2**20  # training sets up to this size are read once; larger ones stream from the store
 
 
+def training_rows(data: DataRef, options: dict[str, Any]) -> tuple[Any, Any]:
+    """x_train and y_train to read rows from (`examples.read`): tensors read once when the training set is at most
+    IN_MEMORY_BYTES (a task's reads are then views, not a store request each), else the stored arrays."""
+    arrays = open_data(data, options)
+    x, y = arrays["x_train"], arrays["y_train"]
+    if examples.nbytes(x) + y.nbytes <= IN_MEMORY_BYTES:
+        return examples.read(x), examples.read(y)
+    return x, y
+
+
 def train_batches(data: DataRef, options: dict[str, Any], batch_size: int) -> Batches:
     """The training set for curvature passes: held in memory when small, else streamed chunk by chunk.
 
     Matrix-free methods pass over the data once per iteration, so re-reading a small set from S3 each time
     would dominate their cost.
     """
-    arrays = open_data(data, options)
-    x, y = arrays["x_train"], arrays["y_train"]
-    if examples.nbytes(x) + y.nbytes <= IN_MEMORY_BYTES:
-        return TensorBatches(examples.read(x), examples.read(y), batch_size)
-    return ArrayBatches(x, y, batch_size)
+    return batches_of(*training_rows(data, options), batch_size)
+
+
+def batches_of(x: Any, y: Any, batch_size: int) -> Batches:
+    """Batches of `training_rows`: of the tensors held, or read from the stored arrays batch by batch."""
+    return TensorBatches(x, y, batch_size) if isinstance(y, torch.Tensor) else ArrayBatches(x, y, batch_size)
 
 
 def build_module(model: ModelRef, device: str = "cpu") -> nn.Module:
