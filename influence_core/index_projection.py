@@ -9,18 +9,21 @@ input (an embedding, a tied weight) is projected from its gradient matrices. A w
 elementwise (not a Kronecker product), is projected from the captures too, through W's truncated SVD Σ_r u_r v_rᵀ:
 Φ_out (G ∘ W) Φ_inᵀ = Σ_{r,t} (Φ_out diag(u_r) g_t)(Φ_in diag(v_r) a_t)ᵀ, R·T·k·(out + in) per example instead of
 out·in·k; R keeps every entry of W within `whitening_rtol` (so every whitened gradient within it, in Frobenius norm),
-and where that R makes it no cheaper, the matrices are formed. The parameters outside the cuts (the vmapped rest:
+and where that R makes it no cheaper, the matrices are formed. The rank is searched no further than where factoring
+stops paying for the cut's positions (`break_even_rank`), through W's top singular triples alone when that rank is
+far below its size: a convolution's or a language model's cut, formed anyway, takes no full SVD. The parameters outside the cuts (the vmapped rest:
 biases of normalisations and the like, few) are kept as they are.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import examples
-from .contraction import BUDGET_BYTES, Batch, GradientSplit, LayerCut, RowOrder, cut_gradients
+from .contraction import BUDGET_BYTES, Batch, GradientSplit, LayerCut, RowOrder, captured_batch, cut_gradients
 from .layers import outer_gradients
 from .projection import draw
 
@@ -31,6 +34,7 @@ WHITENING_RTOL = 1e-3  # the largest relative error of an entry of the factored 
 # the formed path's multiply-adds ran at 14-15 G/s on one EPYC thread for matrices of 10^5 entries (W3's 1024 × 101
 # layer: 0.53 ms an example, against 0.17 factored at full rank), the factored ones at 22-50 (benchmarks/projection_paths.py)
 FORMED_COST = 1.5
+OVERSAMPLE = 10  # singular triples beyond the rank wanted, for the randomized range finder's accuracy
 
 
 def orthogonal_rows(k: int, n: int, key: list[int]) -> torch.Tensor:
@@ -40,21 +44,42 @@ def orthogonal_rows(k: int, n: int, key: list[int]) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).T * (n / k) ** 0.5
 
 
-def whitening_factors(damped: torch.Tensor, rtol: float) -> tuple[torch.Tensor, torch.Tensor]:
+def whitening_factors(damped: torch.Tensor, rtol: float, max_rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W = D^(-1/2) (out × in) as left (R, out) and right (R, in) in float64, Σ_r left_r right_rᵀ its SVD truncated to
     a rank (bisected) whose every entry is within rtol of W's, relatively, so ‖G∘W̃ − G∘W‖ ≤ rtol ‖G∘W‖ for every G;
-    full rank where no smaller one is."""
+    full rank where no smaller one is. With `max_rank` below W's size (the rank past which factoring costs more than
+    forming), none (R = 0) when rank max_rank misses rtol; a max_rank far below W's size takes only the top singular
+    triples (`_top_svd`), not the full SVD."""
     w = damped.to(torch.float64).rsqrt()
-    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    hi = min(w.shape) if max_rank is None else min(max_rank, *w.shape)  # rank lo misses rtol, rank hi keeps it
+    if hi == 0:
+        return w.new_zeros(0, w.shape[0]), w.new_zeros(0, w.shape[1])
+    u, s, vh = _top_svd(w, hi) if (hi + OVERSAMPLE) * 4 <= min(w.shape) else torch.linalg.svd(w, full_matrices=False)
     left = (u * s).T
-    lo, hi = 0, len(s)  # rank lo misses rtol, rank hi keeps it (full rank: as exact as the SVD)
+    keeps = lambda rank: bool(((left[:rank].T @ vh[:rank] - w).abs() <= rtol * w).all())  # noqa: E731
+    if hi < min(w.shape) and not keeps(hi):  # full rank keeps rtol as exactly as the SVD
+        return left[:0], vh[:0]
+    lo = 0
     while lo + 1 < hi:
         mid = (lo + hi) // 2
-        if ((left[:mid].T @ vh[:mid] - w).abs() <= rtol * w).all():
+        if keeps(mid):
             hi = mid
         else:
             lo = mid
     return left[:hi], vh[:hi]
+
+
+def _top_svd(w: torch.Tensor, rank: int, power: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top `rank` + OVERSAMPLE singular triples of w by a randomized range finder (Halko et al. 2011, with `power`
+    re-orthonormalised power steps), its test matrix drawn by key (`projection.draw`), so the same w always gives the
+    same factors; torch.svd_lowrank draws from the global generator. O(out·in·rank) where the full SVD is
+    O(out·in·min(out, in))."""
+    q = min(rank + OVERSAMPLE, *w.shape)
+    basis, _ = torch.linalg.qr(w @ draw("gaussian", w.shape[1], q, [rank, *w.shape], w.dtype, w.device))
+    for _ in range(power):
+        basis, _ = torch.linalg.qr(w @ (w.T @ basis))
+    u, s, vh = torch.linalg.svd(basis.T @ w, full_matrices=False)
+    return basis @ u, s, vh
 
 
 def factored_is_cheaper(rank: int, shape: tuple[int, int], sides: tuple[int, int], positions: int) -> bool:
@@ -63,6 +88,13 @@ def factored_is_cheaper(rank: int, shape: tuple[int, int], sides: tuple[int, int
     k_out·k_in·in, whose multiply-adds count FORMED_COST times: they run slower (one matrix per example)."""
     (out, inp), (k_out, k_in) = shape, sides
     return rank * positions * (k_out * out + k_in * inp + k_out * k_in) < FORMED_COST * (out * inp * (positions + 1 + k_out) + k_out * k_in * inp)
+
+
+def break_even_rank(shape: tuple[int, int], sides: tuple[int, int], positions: int) -> int:
+    """The largest whitening rank R at which `factored_is_cheaper` (0: none is), so no SVD past it is needed."""
+    (out, inp), (k_out, k_in) = shape, sides
+    per_rank = positions * (k_out * out + k_in * inp + k_out * k_in)
+    return max(0, math.ceil(FORMED_COST * (out * inp * (positions + 1 + k_out) + k_out * k_in * inp) / per_rank) - 1)
 
 
 def factored_projection(a: torch.Tensor, g: torch.Tensor, phi: tuple[torch.Tensor, torch.Tensor], whitening: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -98,9 +130,11 @@ class IndexProjection:
     def __init__(
         self, split: GradientSplit, order: RowOrder, side: int, seed: int, damped: dict[str, torch.Tensor] | None = None,
         whitening_rtol: float = WHITENING_RTOL, whitening: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        positions: dict[str, int] | None = None,
     ) -> None:
         self.split, self.order, self.side, self.seed, self.damped = split, order, side, seed, damped or {}
         self.whitening_rtol = whitening_rtol
+        self.positions = positions  # each cut's capture positions T, where one float input is captured (None: unknown)
         self._phi: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._whitening = dict(whitening or {})  # factors computed before (kept with an index), by cut name
 
@@ -112,7 +146,11 @@ class IndexProjection:
         from .methods.kfac import KfacInfluence
 
         damped = {layer.name: im.solvers[layer.block].damped(im.objective.space.dtype) for layer in im.layers} if isinstance(im, KfacInfluence) else None  # type: ignore[attr-defined]
-        return cls(im.gradient_split(x, y), im.row_order, side, seed=0, damped=damped, whitening=whitening)
+        split, positions = im.gradient_split(x, y), None
+        if damped is not None and whitening is None:  # the captures' positions cap each cut's SVD (`whitening`)
+            batch = captured_batch(split, *split.objective.to_model(x, y))  # a probe: not counted as work
+            positions = {cut.name: shares[0][0].shape[1] for cut in split.cuts if len(shares := batch.shares(cut.name)) == 1 and shares[0][0].is_floating_point()}
+        return cls(split, im.row_order, side, seed=0, damped=damped, whitening=whitening, positions=positions)
 
     def sides(self, cut: LayerCut) -> tuple[int, int]:
         """k_out, k_in: `side`, or the matrix's own size when smaller (such a side is kept exactly, Φ = I)."""
@@ -157,14 +195,17 @@ class IndexProjection:
         if capture is not None:
             a, g = capture
             left, right = self.whitening(cut)
-            if factored_is_cheaper(len(left), cut.shape, self.sides(cut), a.shape[1]):
+            if len(left) and factored_is_cheaper(len(left), cut.shape, self.sides(cut), a.shape[1]):
                 return factored_projection(a, g, self._factors(index, cut, a), (left.to(a), right.to(a)))
         return self._project(index, cut, cut_gradients(batch, cut) * self.damped[cut.name].to(batch.dtype).rsqrt())
 
     def whitening(self, cut: LayerCut) -> tuple[torch.Tensor, torch.Tensor]:
-        """A damped cut's `whitening_factors`, computed once (or as given)."""
+        """A damped cut's `whitening_factors`, computed once (or as given): with its positions known, capped at the
+        rank where factoring stops being cheaper (none for a cut without one float capture, which is always formed),
+        so no SVD is taken that the formed path would not use."""
         if cut.name not in self._whitening:
-            self._whitening[cut.name] = whitening_factors(self.damped[cut.name], self.whitening_rtol)
+            cap = None if self.positions is None else (break_even_rank(cut.shape, self.sides(cut), self.positions[cut.name]) if cut.name in self.positions else 0)
+            self._whitening[cut.name] = whitening_factors(self.damped[cut.name], self.whitening_rtol, cap)
         return self._whitening[cut.name]
 
     def factors(self, flat: torch.Tensor) -> torch.Tensor:

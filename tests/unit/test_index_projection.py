@@ -9,7 +9,7 @@ from torch import nn
 
 from influence_core import DirectInfluence, EkfacInfluence, IdentityInfluence, KfacInfluence
 from influence_core.contraction import cut_gradients, gradient_batch
-from influence_core.index_projection import IndexProjection, factored_is_cheaper, factored_projection, orthogonal_rows, whitening_factors
+from influence_core.index_projection import IndexProjection, break_even_rank, factored_is_cheaper, factored_projection, orthogonal_rows, whitening_factors
 
 
 class TokensThenMlp(nn.Module):
@@ -213,3 +213,51 @@ def test_identity_queries_from_their_captures_equal_the_projected_factors():
     assert projection.from_captures(im) and split.rest_columns is not None
     xq, yq = x[:10], (y[:10] + 1) % 3
     torch.testing.assert_close(projection.queries(im, xq, yq), projection.factors(im.influence_factors(xq, yq)), rtol=1e-10, atol=1e-12)
+
+
+def test_whitening_capped_at_the_break_even_rank():
+    """A cap far below W's size takes the randomized top singular triples: on a smooth D (160 × 120) the rank it picks
+    keeps every entry of W within 1e-3, as the full SVD's does, and the same call gives the same bits; a random D,
+    which needs full rank, gets no factors under the cap (the formed path), nor does a cap of 0."""
+    smooth, rough = _smooth_damped(160, 120, 4), 0.1 + torch.rand(160, 120, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    left, right = whitening_factors(smooth, 1e-3, max_rank=15)  # (15 + OVERSAMPLE) * 4 <= 120: randomized
+    full_left, _ = whitening_factors(smooth, 1e-3)
+    assert 1 < len(left) <= 15 and abs(len(left) - len(full_left)) <= 1
+    assert ((left.T @ right - smooth.rsqrt()).abs() <= 1e-3 * smooth.rsqrt()).all()
+    again = whitening_factors(smooth, 1e-3, max_rank=15)
+    assert torch.equal(again[0], left) and torch.equal(again[1], right)
+    for damped, cap in ((rough, 15), (rough, 100), (smooth, 0)):
+        left, right = whitening_factors(damped, 1e-3, max_rank=cap)
+        assert left.shape == (0, 160) and right.shape == (0, 120), cap
+
+
+class Convolution(nn.Module):
+    """A Conv2d over 3 × 4 positions (its captures (n, 12, 4·3·3)) and a Linear classifier (one position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.out = nn.Conv2d(4, 6, 3, padding=1), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.conv(x)).mean((2, 3)))
+
+
+def test_for_model_records_positions_and_forms_past_the_break_even_rank():
+    """`for_model` records each cut's capture positions (12 for the Conv2d, 1 for the Linear) from a probe that does
+    not count as work. Under them, a D that needs full rank (6) past the convolution's break-even rank at side 2 (4)
+    gets no whitening factors, and its rows are the formed path's bit for bit."""
+    torch.manual_seed(0)
+    model = Convolution().double()
+    x, y = torch.randn(24, 4, 3, 4, dtype=torch.float64), torch.randint(0, 3, (24,))
+    im = EkfacInfluence(model, "cross_entropy", regularization=1e-3).fit((x, y))
+    rows_before = im.work.gradient_rows
+    projection = IndexProjection.for_model(im, x[:8], y[:8], side=2)
+    conv, out = projection.split.cuts
+    assert projection.positions == {conv.name: 12, out.name: 1} and im.work.gradient_rows == rows_before
+    assert break_even_rank(conv.shape, projection.sides(conv), 12) == 4 and conv.shape == (6, 37)
+    rough = 0.1 + torch.rand(conv.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    capped = IndexProjection(projection.split, im.row_order, 2, seed=0, damped={conv.name: rough}, positions=projection.positions)
+    assert len(capped.whitening(conv)[0]) == 0 and len(whitening_factors(rough, 1e-3)[0]) == 6
+    batch = im.gradient_batch(x, y, in_basis=False)
+    formed = capped._project(0, conv, cut_gradients(batch, conv) * rough.rsqrt())
+    assert torch.equal(capped.training(batch)[:, : formed.shape[1]], formed)
