@@ -11,8 +11,8 @@ elementwise (not a Kronecker product), is projected from the captures too, throu
 out·in·k; R keeps every entry of W within `whitening_rtol` (so every whitened gradient within it, in Frobenius norm),
 and where that R makes it no cheaper, the matrices are formed. The rank is searched no further than where factoring
 stops paying for the cut's positions (`break_even_rank`), through W's top singular triples alone when that rank is
-far below its size: a convolution's or a language model's cut, formed anyway, takes no full SVD. The parameters outside the cuts (the vmapped rest:
-biases of normalisations and the like, few) are kept as they are.
+far below its size: a convolution's or a language model's cut, formed anyway, takes no full SVD. The parameters
+outside the cuts (the vmapped rest: biases of normalisations and the like, few) are kept as they are.
 """
 
 from __future__ import annotations
@@ -56,7 +56,10 @@ def whitening_factors(damped: torch.Tensor, rtol: float, max_rank: int | None = 
         return w.new_zeros(0, w.shape[0]), w.new_zeros(0, w.shape[1])
     u, s, vh = _top_svd(w, hi) if (hi + OVERSAMPLE) * 4 <= min(w.shape) else torch.linalg.svd(w, full_matrices=False)
     left = (u * s).T
-    keeps = lambda rank: bool(((left[:rank].T @ vh[:rank] - w).abs() <= rtol * w).all())  # noqa: E731
+
+    def keeps(rank: int) -> bool:
+        return bool(((left[:rank].T @ vh[:rank] - w).abs() <= rtol * w).all())
+
     if hi < min(w.shape) and not keeps(hi):  # full rank keeps rtol as exactly as the SVD
         return left[:0], vh[:0]
     lo = 0
@@ -142,7 +145,8 @@ class IndexProjection:
     def for_model(cls, im: "InfluenceFunctionModel", x: Any, y: torch.Tensor, side: int, whitening: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> "IndexProjection":
         """The compressed index's projection for a fitted influence model, its gradient split probed on the rows
         (x, y) (a few training rows), seed 0: for K-FAC/EK-FAC whitened by each layer's damped curvature diagonal in
-        its eigenbasis (`whitening`: factors kept with an index, else computed on first use)."""
+        its eigenbasis (`whitening`: factors kept with an index, else computed on first use, their rank capped by
+        the positions the probe's captures have)."""
         from .methods.kfac import KfacInfluence
 
         damped = {layer.name: im.solvers[layer.block].damped(im.objective.space.dtype) for layer in im.layers} if isinstance(im, KfacInfluence) else None  # type: ignore[attr-defined]
