@@ -260,7 +260,7 @@ def placement(job: ScoreJob) -> Placement:
         small = sum(index.bytes_per_row for index in indexes) * n_train < IN_PROCESS_INDEX_BYTES
         return place(compute, sum(2.0 * n_test * n_train * index.shape[1] for index in indexes), eligible=small)
     members = job.stage.members
-    held = sum(math.prod(member.factors.shape) * 4 for member in members)
+    held = sum(math.prod(member.factors.shape) * np.dtype(member.factors.dtype).itemsize for member in members)
     if compute.cluster != ClusterKind.local or METHOD_CLASSES[job.stage.method.name].solves_on_data or held >= IN_PROCESS_FACTOR_BYTES:
         return place(compute, 0.0, eligible=False)
     return place(compute, _training_side_flops(job) + sum(2.0 * n_test * n_train * member.factors.shape[-1] for member in members))

@@ -27,6 +27,7 @@ import zarr
 from ..store import storage
 from ... import examples
 from ...methods import IdentityInfluence, InfluenceFunctionModel, KfacInfluence
+from ...index_projection import IndexProjection
 from ...methods.scorer import Scorer
 from ...self_influence import SelfInfluencePlan, describe
 from ...work import Work, forward_flops
@@ -158,12 +159,13 @@ def _create(job: IndexJob, dim: int, dtype: torch.dtype, with_self_influence: bo
 
 @dataclass(frozen=True)
 class Layout:
-    """How the index stores a row: `dim` numbers of `dtype`, exact or LoGra-compressed (`side`)."""
+    """How the index stores a row: `dim` numbers of `dtype`, exact or LoGra-compressed (`side`, by `projection`)."""
 
     dim: int
     dtype: torch.dtype
     compression: str
     side: int | None = None
+    projection: IndexProjection | None = None
 
     @property
     def row_bytes(self) -> int:
@@ -184,7 +186,8 @@ def plan_layout(stage: IndexInput, im: InfluenceFunctionModel) -> Layout | str:
     if not im.contracts() or not isinstance(im, (KfacInfluence, IdentityInfluence)):
         why = "features (projected or low-rank) are not compressed further" if not im.contracts() else "factors (H + λI)⁻¹∇ℓ are not compressed (a random projection of them loses the scores: Pearson 0.17 on the digits MLP at side 32); K-FAC/EK-FAC compress whitened"
         return f"{storage.megabytes(n_train * exact.row_bytes)} exceeds compute.index_budget_gb={compute.index_budget_gb:g}, and this method's {why}"
-    compressed = Layout(index_projection(im, stage.data, stage.store.options, compute.index_side).dim, stored(True), "logra", compute.index_side)
+    projection = index_projection(im, stage.data, stage.store.options, compute.index_side)
+    compressed = Layout(projection.dim, stored(True), "logra", compute.index_side, projection)
     if n_train * compressed.row_bytes <= budget:
         return compressed
     return f"{storage.megabytes(n_train * compressed.row_bytes)} even compressed (index_side={compute.index_side}) exceeds compute.index_budget_gb={compute.index_budget_gb:g}"
@@ -204,7 +207,7 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
     _create(job, layout.dim, layout.dtype, plan is not None, im.objective.space.dtype)
     # factored once here, for the workers and every later query; written anew (a first attempt's were lost or
     # damaged), no chunk of an earlier attempt, projected with other factors, is kept
-    if layout.side is not None and keep_whitening(index_projection(im, stage.data, stage.store.options, layout.side), job.whitening_url, stage.store.options):
+    if layout.projection is not None and keep_whitening(layout.projection, job.whitening_url, stage.store.options):
         storage.remove(job.path("done"), job.options)
     n_tasks = math.ceil(n_train / job.rows)
     chunks = job.pending(list(range(n_tasks)))
