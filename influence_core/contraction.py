@@ -133,7 +133,7 @@ class GradientSplit:
         expected = objective.summed_gradient(x, y)
         batch, incomplete = captured_batch(self, x, y), set()
         for cut in self.cuts:
-            found, want = cut.to_flat(cut_gradients(batch, cut).sum(0, keepdim=True), "parameters")[0], expected[cut.cols]
+            found, want = cut.to_flat(summed_cut_gradient(batch, cut), "parameters")[0], expected[cut.cols]
             if (want - found).norm() > rtol * want.norm():
                 incomplete.add(cut.name)
         return incomplete
@@ -481,6 +481,15 @@ def materialise(batch: Batch, split: GradientSplit, order: RowOrder, dim: int) -
 def cut_gradients(batch: Batch, cut: LayerCut) -> torch.Tensor:
     """A cut's per-example gradient matrices (n, out, in): its shares' summed."""
     return sum(outer_gradients(g, a) if a.is_floating_point() else embedding_gradients(a, g, cut.shape[0]) for a, g in batch.shares(cut.name))
+
+
+def summed_cut_gradient(batch: Batch, cut: LayerCut) -> torch.Tensor:
+    """A cut's gradient summed over the batch's examples (1, out, in), its positions contracted as one example's: one
+    GEMM a share, not n matrices formed and added (the probe's check, on every process that splits a model)."""
+    def merged(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(1, -1, *t.shape[2:])
+
+    return sum(outer_gradients(merged(g), merged(a)) if a.is_floating_point() else embedding_gradients(merged(a), merged(g), cut.shape[0]) for a, g in batch.shares(cut.name))
 
 
 def weighted_squares(weights: dict[str, torch.Tensor], batch: Batch, work: Work) -> torch.Tensor:
