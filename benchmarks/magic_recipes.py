@@ -3,10 +3,11 @@ the CNN's pooling, each recipe's MAGIC LDS (subsets keeping 90%, the removed row
 beside the trained model's held-out accuracy. A screen before magic_lds.py's 64-subset pipeline runs.
 
     .venv/bin/python benchmarks/magic_recipes.py mlp 1e-2,constant,max 3e-3,linear,max ...   (prints a markdown table)
+    .venv/bin/python benchmarks/magic_recipes.py cnn 1e-2,linear,avg,channels=16x32,weight_decay=1e-2 ...
 
 Data as magic_lds.py's problems: digits, 1,000 training rows, its 40 queries (the first 40 of the source's 360 held-out
 rows); accuracy on the other 320. Each recipe is `learning_rate,lr_decay,pooling` on the default TrainingSpec (60 epochs, batch 64,
-weight decay 1e-3, seed 0); the MAGIC scores come from `influence_core.magic.metagradients`, the retrainings from
+weight decay 1e-3, seed 0), with any other field of TrainingSpec or ModelSpec set after them; the MAGIC scores come from `influence_core.magic.metagradients`, the retrainings from
 `influence_core.training.train` with per-row loss weights, the LDS from `influence_core.lds`.
 """
 
@@ -44,11 +45,14 @@ def digits(shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
 
 
 def screen(architecture: str, recipe: str, subsets: int) -> dict[str, float]:
-    """One recipe's MAGIC LDS (± s.e.) over `subsets` retrainings, and its held-out accuracy."""
-    learning_rate, decay, pooling = recipe.split(",")
+    """One recipe's MAGIC LDS (± s.e.) over `subsets` retrainings, and its held-out accuracy. A recipe is
+    `learning_rate,lr_decay,pooling`, then any `field=value` of TrainingSpec or ModelSpec (`channels=16x32`)."""
+    learning_rate, decay, pooling, *more = recipe.split(",")
+    fields = dict(item.split("=", 1) for item in more)
+    model_fields = {k: [int(c) for c in v.split("x")] if k in ("channels", "hidden") else v for k, v in fields.items() if k in ModelSpec.model_fields}
     shape = SHAPES[architecture]
-    spec = ModelSpec(architecture=architecture, pooling=pooling)
-    training = TrainingSpec(learning_rate=float(learning_rate), lr_decay=decay, seed=SEED).recipe()
+    spec = ModelSpec(architecture=architecture, pooling=pooling, **model_fields)
+    training = TrainingSpec(learning_rate=float(learning_rate), lr_decay=decay, seed=SEED, **{k: v for k, v in fields.items() if k not in model_fields}).recipe()
     task = spec.make_task()
     x, y, x_held, y_held = digits(shape)
     xq, yq, xh, yh = x_held[:N_QUERIES], y_held[:N_QUERIES], x_held[N_QUERIES:], y_held[N_QUERIES:]
@@ -79,7 +83,7 @@ def screen(architecture: str, recipe: str, subsets: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("architecture", choices=list(SHAPES))
-    parser.add_argument("recipes", nargs="+", help="learning_rate,lr_decay,pooling, e.g. 3e-3,linear,avg")
+    parser.add_argument("recipes", nargs="+", help="learning_rate,lr_decay,pooling[,field=value...], e.g. 3e-3,linear,avg or 1e-2,linear,avg,channels=16x32,weight_decay=1e-2")
     parser.add_argument("--subsets", type=int, default=32)
     args = parser.parse_args()
     print(f"| {args.architecture}: lr, decay, pooling | MAGIC LDS ± s.e. ({args.subsets} subsets at {KEPT:.0%}) | held-out accuracy |")
