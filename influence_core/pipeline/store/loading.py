@@ -78,7 +78,7 @@ def load_model(model: ModelRef, options: dict[str, Any], device: str = "cpu") ->
 def save_tensors(url: str, tensors: dict[str, Any], options: dict[str, Any]) -> None:
     """Tensors (and plain values) as one torch.save file; a tensor that views a larger storage is saved as a copy of
     its own numbers, since torch.save writes a view's whole storage (W3's whitening factors, rank-47 rows of a
-    1024 x 1025 SVD: 17.8 MB saved for 1.8)."""
+    1024 x 1025 SVD: 17.8 MB saved for 1.6)."""
     def own(t: Any) -> Any:
         return t.clone() if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > t.nbytes else t
 
