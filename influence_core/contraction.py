@@ -116,11 +116,13 @@ class GradientSplit:
                 candidates.append(layer)
         ties = [pair for pair in tied_embeddings(model) if contractible(pair[0].module)]
         captured = per_example_layers(model, candidates + [layer for pair in ties for layer in pair], objective.to_model(*probe)[0])
+        self.positions: dict[str, int] = {}  # the probe's capture positions T of each cut with one float capture
         self.cuts = [LayerCut.whole(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if layer.name in captured]
         names = listed_names(model)
         self.cuts += [cut for embedding, output in ties if {embedding.name, output.name} <= captured for cut in tied_cuts(embedding, output, blocks, names, shared)]
         incomplete = self._incomplete(probe) if self.cuts else set()
         self.cuts = [cut for cut in self.cuts if cut.name not in incomplete]
+        self.positions = {name: t for name, t in self.positions.items() if name not in incomplete}
         rest = [n for n, b in blocks.items() if not any(cut.cols.start <= b.start and b.stop <= cut.cols.stop for cut in self.cuts)]
         self.rest_columns = torch.cat([torch.arange(blocks[n].start, blocks[n].stop) for n in rest]) if rest else None
         self.rest = Objective(objective.model, objective.task, rest) if rest else None
@@ -132,6 +134,7 @@ class GradientSplit:
         x, y = objective.to_model(*probe)
         expected = objective.summed_gradient(x, y)
         batch, incomplete = captured_batch(self, x, y), set()
+        self.positions = {cut.name: shares[0][0].shape[1] for cut in self.cuts if len(shares := batch.shares(cut.name)) == 1 and shares[0][0].is_floating_point()}
         for cut in self.cuts:
             found, want = cut.to_flat(summed_cut_gradient(batch, cut), "parameters")[0], expected[cut.cols]
             if (want - found).norm() > rtol * want.norm():
@@ -478,18 +481,21 @@ def materialise(batch: Batch, split: GradientSplit, order: RowOrder, dim: int) -
     return out
 
 
+def _share_gradients(shares: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> torch.Tensor:
+    """Σ over shares of each example's gradient matrix (n, rows, in) from its captures (a, g)."""
+    return sum(outer_gradients(g, a) if a.is_floating_point() else embedding_gradients(a, g, rows) for a, g in shares)
+
+
 def cut_gradients(batch: Batch, cut: LayerCut) -> torch.Tensor:
     """A cut's per-example gradient matrices (n, out, in): its shares' summed."""
-    return sum(outer_gradients(g, a) if a.is_floating_point() else embedding_gradients(a, g, cut.shape[0]) for a, g in batch.shares(cut.name))
+    return _share_gradients(batch.shares(cut.name), cut.shape[0])
 
 
 def summed_cut_gradient(batch: Batch, cut: LayerCut) -> torch.Tensor:
-    """A cut's gradient summed over the batch's examples (1, out, in), its positions contracted as one example's: one
-    GEMM a share, not n matrices formed and added (the probe's check, on every process that splits a model)."""
-    def merged(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(1, -1, *t.shape[2:])
-
-    return sum(outer_gradients(merged(g), merged(a)) if a.is_floating_point() else embedding_gradients(merged(a), merged(g), cut.shape[0]) for a, g in batch.shares(cut.name))
+    """A cut's gradient summed over the batch's examples (1, out, in): the examples' positions taken as one example's,
+    one GEMM a share, not n matrices formed and added (the probe's check, on every process that splits a model)."""
+    merged = [(a.reshape(1, -1, *a.shape[2:]), g.reshape(1, -1, *g.shape[2:])) for a, g in batch.shares(cut.name)]
+    return _share_gradients(merged, cut.shape[0])
 
 
 def weighted_squares(weights: dict[str, torch.Tensor], batch: Batch, work: Work) -> torch.Tensor:

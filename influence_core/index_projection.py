@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import examples
-from .contraction import BUDGET_BYTES, Batch, GradientSplit, LayerCut, RowOrder, captured_batch, cut_gradients
+from .contraction import BUDGET_BYTES, Batch, GradientSplit, LayerCut, RowOrder, cut_gradients
 from .layers import outer_gradients
 from .projection import draw
 
@@ -146,15 +146,12 @@ class IndexProjection:
         """The compressed index's projection for a fitted influence model, its gradient split probed on the rows
         (x, y) (a few training rows), seed 0: for K-FAC/EK-FAC whitened by each layer's damped curvature diagonal in
         its eigenbasis (`whitening`: factors kept with an index, else computed on first use, their rank capped by
-        the positions the probe's captures have)."""
+        the capture positions the split's probe found)."""
         from .methods.kfac import KfacInfluence
 
         damped = {layer.name: im.solvers[layer.block].damped(im.objective.space.dtype) for layer in im.layers} if isinstance(im, KfacInfluence) else None  # type: ignore[attr-defined]
-        split, positions = im.gradient_split(x, y), None
-        if damped is not None and whitening is None:  # the captures' positions cap each cut's SVD (`whitening`)
-            batch = captured_batch(split, *split.objective.to_model(x, y))  # a probe: not counted as work
-            positions = {cut.name: shares[0][0].shape[1] for cut in split.cuts if len(shares := batch.shares(cut.name)) == 1 and shares[0][0].is_floating_point()}
-        return cls(split, im.row_order, side, seed=0, damped=damped, whitening=whitening, positions=positions)
+        split = im.gradient_split(x, y)  # its probe recorded each cut's capture positions, which cap the cut's SVD
+        return cls(split, im.row_order, side, seed=0, damped=damped, whitening=whitening, positions=split.positions)
 
     def sides(self, cut: LayerCut) -> tuple[int, int]:
         """k_out, k_in: `side`, or the matrix's own size when smaller (such a side is kept exactly, Φ = I)."""
