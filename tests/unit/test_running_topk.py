@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from influence_core.pipeline.score.query import _Running
+from influence_core.pipeline.score.score_reductions import RunningTopK
 
 
 @pytest.mark.parametrize(("levels", "step"), [(None, 37), (20, 37), (3, 50), (None, 3)])
@@ -14,7 +14,7 @@ def test_running_top_k_equals_a_stable_sort_of_the_whole_row(levels, step):
     """levels None: continuous scores (no ties); 20 levels: ties within the margin; 3 levels: ties past it."""
     gen = torch.Generator().manual_seed(levels or 0)
     scores = torch.randn(7, 500, generator=gen) if levels is None else torch.randint(0, levels, (7, 500), generator=gen).float()
-    running = _Running(7, 5)
+    running = RunningTopK(7, 5)
     for lo in range(0, 500, step):
         running.add(scores[:, lo : lo + step], lo)
     found = running.arrays()

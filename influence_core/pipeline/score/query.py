@@ -10,8 +10,6 @@ the candidates are scored as the scan scores them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +24,7 @@ from ...work import Work
 from ...objective import Objective
 from ..sources.data import check_block
 from . import faiss_search
+from .score_reductions import TIE_MARGIN, RunningTopK, read_ahead
 from .layout import DIMENSIONS
 from ..model.models import check_queries, probe_forward
 from ..store.loading import index_projection, load_influence_model, open_data
@@ -111,27 +110,13 @@ def solve(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu
 def scan_top_k(index: IndexRef, factors: torch.Tensor, top_k: int, options: dict[str, Any], work: Work) -> dict[str, np.ndarray]:
     """Each query's exact top-k: every row of the index scored, a chunk at a time (one GEMM each)."""
     features = storage.open_array(index.array("features"), options)
-    best = _Running(len(factors), top_k)
+    best = RunningTopK(len(factors), top_k)
     for lo, block in read_ahead(features):
         work.index_rows += len(block)
         work.index_bytes += block.nbytes
         work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
         best.add((factors @ torch.from_numpy(block).to(device=factors.device, dtype=factors.dtype).T).float(), lo)
     return best.arrays()
-
-
-def read_ahead(features: Any) -> Iterator[tuple[int, np.ndarray]]:
-    """The array's row chunks in order, each with its first row, the next one read (in a thread) while the caller
-    scores this one: the scan overlaps the disk with the GEMMs, and holds two chunks."""
-    step = features.chunks[0]
-    starts = range(0, features.shape[0], step)
-    with ThreadPoolExecutor(1, thread_name_prefix="index-read") as pool:
-        reading = pool.submit(lambda: np.asarray(features[0:step]))
-        for lo in starts:
-            block = reading.result()
-            if lo + step < features.shape[0]:
-                reading = pool.submit(lambda at=lo + step: np.asarray(features[at : at + step]))
-            yield lo, block
 
 
 QUERY_BLOCK = 1024  # queries whose candidates' vectors are read back and scored at once
@@ -148,7 +133,7 @@ def faiss_top_k(index: IndexRef, factors: torch.Tensor, top_k: int, search: Sear
     parts = []
     for lo in range(0, len(factors), QUERY_BLOCK):
         block = factors[lo : lo + QUERY_BLOCK]
-        best = _Running(len(block), top_k)
+        best = RunningTopK(len(block), top_k)
         sides = faiss_search.candidates(found, block.float().cpu().numpy(), wide, search.nprobe)
         for rows, largest in zip((np.sort(side, axis=1) for side in sides), (True, False)):  # rows in index order: ties go to the lower index, as in the scan
             vectors = torch.from_numpy(faiss_search.vectors(found, rows)).to(device=factors.device, dtype=factors.dtype)
@@ -171,56 +156,6 @@ def check_question(spec: ModelSpec, data: DataRef, objective: Objective, x: Any,
         objective.check_outputs(torch.as_tensor(x), torch.as_tensor(y))
     except ConfigError as exc:
         raise ConfigError("--queries", f"the queries do not fit the run's model ({exc.field}): {exc.problem}", "ask with inputs and labels encoded as the run's training data is (its dataset and model settings are in its summary.json)") from None
-
-
-TIE_MARGIN = 8  # entries a chunk's selection takes past each query's k, to hold ties with the k-th
-
-
-class _Running:
-    """Each query's k largest and k smallest scores seen so far, with their training indices."""
-
-    def __init__(self, n: int, k: int) -> None:
-        self.k = k
-        empty = (torch.empty(n, 0), torch.empty(n, 0, dtype=torch.int64))
-        self.top, self.bottom = empty, empty
-
-    def add(self, scores: torch.Tensor, offset: int) -> None:
-        """Every query's scores of the training rows offset, offset + 1, ...: a chunk of the index."""
-        indices = torch.arange(offset, offset + scores.shape[1]).expand_as(scores)
-        self.offer(scores, indices, largest=True)
-        self.offer(scores, indices, largest=False)
-
-    def offer(self, scores: torch.Tensor, indices: torch.Tensor, largest: bool) -> None:
-        """Each query's scores of its training rows `indices` (in index order), for its k largest (or smallest)."""
-        if largest:
-            self.top = self._keep(self.top, scores, indices, largest=True)
-        else:
-            self.bottom = self._keep(self.bottom, scores, indices, largest=False)
-
-    def _keep(self, kept: tuple[torch.Tensor, torch.Tensor], scores: torch.Tensor, indices: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        scores, indices = self._candidates(scores, indices, largest)
-        values, where = torch.cat([kept[0], scores], 1), torch.cat([kept[1], indices], 1)
-        order = torch.sort(values, dim=1, descending=largest, stable=True).indices[:, : self.k]  # ties: the lower index first
-        return values.gather(1, order), where.gather(1, order)
-
-    def _candidates(self, scores: torch.Tensor, indices: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's entries that can still enter its top k, in index order: the k best and every tie with the k-th,
-        from one partial selection of k + TIE_MARGIN (the whole chunk when a row ties beyond it), where sorting the
-        whole chunk cost 90% of a question over a large index."""
-        wide = self.k + TIE_MARGIN
-        if scores.shape[1] <= wide:
-            return scores, indices
-        values, at = torch.topk(scores, wide, dim=1, largest=largest)
-        if bool((values[:, -1] == values[:, self.k - 1]).any()):  # the k-th value may recur past the selection
-            return scores, indices
-        order = torch.argsort(at, dim=1)  # index order, so the stable sort's ties still go to the lower index
-        return values.gather(1, order), indices.gather(1, at.gather(1, order))
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {
-            "topk_helpful_indices": self.top[1].numpy(), "topk_helpful_scores": self.top[0].numpy(),
-            "topk_harmful_indices": self.bottom[1].numpy(), "topk_harmful_scores": self.bottom[0].numpy(),
-        }
 
 
 def write_answer(url: str, answer: Answer, run_url: str, options: dict[str, Any]) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import dask
-import dask.array as da
 import numpy as np
 
 from ..store import storage
@@ -40,9 +38,6 @@ class AggregationInput(StageInput[StageRef]):
             for index, member in enumerate(self.scoring.members):
                 inputs.update(member.inputs(index))
         return StageCall("aggregate", StageRef, config, inputs, self.store)
-
-
-IN_MEMORY_BYTES = 64 * 2**20  # scores this small are reduced in memory, as one block
 
 
 def check_top_k(spec: AggregateSpec, n_train: int) -> None:
@@ -84,17 +79,11 @@ def _aggregate(stage: AggregationInput, loc: StageLocation) -> dict[str, Any]:
 
 
 def _from_scores(spec: AggregateSpec, group: Any, scores: Any) -> tuple[Aggregates, Any]:
-    """Streamed over the full scores, or, when they fit IN_MEMORY_BYTES, read at once and reduced as one block (the
-    same reductions without a task per shard: W3's 20 x 5,000 in 8 shards, 34 -> 17 ms); the totals go straight into
-    their array."""
+    """Streamed over the stored scores a column shard at a time; the totals go straight into their array."""
     check_top_k(spec, scores.shape[1])
     columns = (scores.shards or scores.chunks)[1]
     totals = group.create_array("train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True, dimension_names=DIMENSIONS["train_totals"])
-    if scores.nbytes <= IN_MEMORY_BYTES:
-        with dask.config.set(scheduler="sync"):
-            return aggregate_scores(da.from_array(np.asarray(scores[...]), chunks=-1), spec.top_k, totals), totals
-    with dask.config.set(scheduler="threads"):
-        return aggregate_scores(da.from_zarr(scores, chunks=(scores.shape[0], columns)), spec.top_k, totals), totals
+    return aggregate_scores(scores, spec.top_k, totals), totals
 
 
 def _from_candidates(spec: AggregateSpec, group: Any, n_train: int) -> tuple[Aggregates, Any]:
