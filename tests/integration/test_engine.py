@@ -99,8 +99,8 @@ def test_scores_are_sharded_one_object_per_task(reference):
     fs, path = storage.filesystem(storage.join(ref.url, "c"), store.options)
     objects = [p for p in fs.find(path)]
     assert len(objects) == ref.n_chunks == 13  # 13 shards, not 13 × (inner chunks) objects
-    layout = score_layout(1000, 1_000_000, target_shard_mb=64)  # 1,000 x 1,000,000: 59 objects of ~64 MB, not 100,000
-    assert layout.n_tasks == 59 and layout.shard[1] % layout.chunk[1] == 0
+    layout = score_layout(1000, 1_000_000, target_shard_mb=64)  # 1,000 x 1,000,000: 60 objects of ~64 MB, not 100,000
+    assert layout.n_tasks == 60 and layout.shard[1] % layout.chunk[1] == 0
     assert abs(layout.shard[0] * layout.shard[1] * 4 / 2**26 - 1) < 0.05
     assert abs(layout.chunk[0] * layout.chunk[1] * 4 / 2**20 - 1) < 0.01
 

@@ -56,12 +56,14 @@ class ScoreLayout:
 
 def score_layout(n_test: int, n_train: int, target_shard_mb: float, train_rows: int | None = None, itemsize: int = 4) -> ScoreLayout:
     """Shards of about `target_shard_mb` spanning all queries (smaller when that leaves fewer than MIN_TASKS tasks);
-    inner chunks of about 1 MB that tile them exactly."""
+    inner chunks of about 1 MB that tile them exactly. A shard holds as many whole chunks as fit its wanted width,
+    never more, so it never leaves fewer tasks than wanted (W3's 500 x 5,000 took 5 of 1,048 columns, not 8 or more:
+    on 2 threads one did 3)."""
     test_rows = min(n_test, MAX_TEST_ROWS_PER_CHUNK)
     inner_cols = max(1, INNER_CHUNK_BYTES // (itemsize * test_rows))
     wanted = train_rows or min(max(1, int(target_shard_mb * 2**20) // (itemsize * n_test)), math.ceil(n_train / MIN_TASKS))
     wanted = min(wanted, n_train)
     inner_cols = min(inner_cols, wanted)
-    cols = math.ceil(wanted / inner_cols) * inner_cols  # a shard must hold whole chunks
+    cols = wanted // inner_cols * inner_cols  # a shard must hold whole chunks
     shard_test = math.ceil(n_test / test_rows) * test_rows
     return ScoreLayout(n_test, n_train, cols, (test_rows, inner_cols), (shard_test, cols))
