@@ -9,6 +9,7 @@ import pytest
 import zarr
 
 from influence_core.pipeline.score.layout import score_layout
+from influence_core.pipeline.score import score_reductions
 from influence_core.pipeline.score.score_reductions import aggregate_candidates
 from influence_core.pipeline.specs import AggregateSpec
 from influence_core.pipeline.stages import aggregation
@@ -19,10 +20,13 @@ def _stable_top(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.argsort(-values, axis=1, kind="stable")[:, :k], np.argsort(values, axis=1, kind="stable")[:, :k]
 
 
+@pytest.mark.parametrize("read_bytes", [score_reductions.READ_BYTES, 0])
 @pytest.mark.parametrize("levels", [None, 3])
-def test_streamed_reductions_equal_numpy_on_the_whole_matrix(tmp_path, levels):
-    """30 x 2,000 scores in the flow's shards (several along the columns): continuous (levels None), or of 3 values,
-    so every row's top 4 ties across shards. The top 4 each way, their scores, and the float64 column totals."""
+def test_streamed_reductions_equal_numpy_on_the_whole_matrix(tmp_path, monkeypatch, levels, read_bytes):
+    """30 x 2,000 scores in the flow's shards (several along the columns), read as one block (READ_BYTES) or a shard
+    at a time (0): continuous (levels None), or of 3 values, so every row's top 4 ties across shards. The top 4 each
+    way, their scores, and the float64 column totals."""
+    monkeypatch.setattr(score_reductions, "READ_BYTES", read_bytes)
     layout = score_layout(30, 2000, 0.05)
     group = zarr.open_group(str(tmp_path / "out.zarr"), mode="w")
     scores = group.create_array("scores", shape=(30, 2000), chunks=layout.chunk, shards=layout.shard, dtype="float32")

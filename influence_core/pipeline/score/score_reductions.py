@@ -22,11 +22,14 @@ class Aggregates:
     missing: int  # NaN entries: a partial matrix must never be summarised as complete
 
 
-def read_ahead(array: Any, axis: int = 0) -> Iterator[tuple[int, np.ndarray]]:
-    """The array's blocks along `axis` (a stored shard, or chunk, wide) in order, each with its first position, the
-    next one read (in a thread) while the caller reduces this one: a scan overlaps the disk with its arithmetic, and
-    holds two blocks."""
-    step, n = (array.shards or array.chunks)[axis], array.shape[axis]
+def read_ahead(array: Any, axis: int = 0, block_bytes: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+    """The array's blocks along `axis` in order, each with its first position, the next one read (in a thread) while
+    the caller reduces this one: a scan overlaps the disk with its arithmetic, and holds two blocks. A block is a
+    stored shard (or chunk) wide, or as many whole ones as fit `block_bytes`, so small arrays take one read and one
+    reduction, not one per shard."""
+    stored, n = (array.shards or array.chunks)[axis], array.shape[axis]
+    stored_bytes = array.nbytes * stored // max(n, 1)
+    step = stored * max(1, block_bytes // max(stored_bytes, 1))
 
     def block(lo: int) -> np.ndarray:
         return np.asarray(array[(slice(None),) * axis + (slice(lo, lo + step),)])
@@ -40,6 +43,7 @@ def read_ahead(array: Any, axis: int = 0) -> Iterator[tuple[int, np.ndarray]]:
             yield lo, values
 
 
+READ_BYTES = 64 * 2**20  # aggregate reads the scores in blocks of whole shards up to this size
 TIE_MARGIN = 8  # entries a chunk's selection takes past each query's k, to hold ties with the k-th
 
 
@@ -94,9 +98,10 @@ class RunningTopK:
 def aggregate_scores(scores: Any, k: int, totals_out: Any) -> Aggregates:
     """All reductions in one pass over the stored scores (n_test, n_train), a column shard at a time: top-k both
     ways as `RunningTopK` keeps them (the same answer as `influence-pipeline query`'s scan), the NaN count, and the
-    column totals (float64 sums) written into `totals_out`, an array chunked like the scores' shards."""
+    column totals (float64 sums) written into `totals_out`, an array chunked like the scores' shards. Blocks of
+    whole shards up to READ_BYTES: W3's 500 x 5,000 in 10 shards of 1 MB is one read and one selection."""
     best, missing = RunningTopK(scores.shape[0], k), 0
-    for lo, block in read_ahead(scores, axis=1):
+    for lo, block in read_ahead(scores, axis=1, block_bytes=READ_BYTES):
         best.add(torch.from_numpy(block), lo)
         totals_out[lo : lo + block.shape[1]] = block.sum(axis=0, dtype=np.float64).astype(np.float32)
         missing += int(np.isnan(block).sum())
