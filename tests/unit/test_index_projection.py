@@ -9,7 +9,7 @@ from torch import nn
 
 from influence_core import DirectInfluence, EkfacInfluence, IdentityInfluence, KfacInfluence
 from influence_core.contraction import cut_gradients, gradient_batch
-from influence_core.index_projection import IndexProjection, break_even_rank, factored_is_cheaper, factored_projection, orthogonal_rows, whitening_factors
+from influence_core.index_projection import FIRST_RANK, IndexProjection, break_even_rank, factored_is_cheaper, factored_projection, orthogonal_rows, whitening_factors
 
 
 class TokensThenMlp(nn.Module):
@@ -229,6 +229,29 @@ def test_whitening_capped_at_the_break_even_rank():
     for damped, cap in ((rough, 15), (rough, 100), (smooth, 0)):
         left, right = whitening_factors(damped, 1e-3, max_rank=cap)
         assert left.shape == (0, 160) and right.shape == (0, 120), cap
+
+
+def _exact_smallest_rank(damped: torch.Tensor, rtol: float) -> int:
+    """The smallest rank whose truncated full SVD of W = D^(-1/2) keeps every entry within rtol, scanned rank by rank."""
+    w = damped.rsqrt()
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    return next(r for r in range(1, len(s) + 1) if ((u[:, :r] * s[:r]) @ vh[:r] - w).abs().le(rtol * w).all())
+
+
+def test_whitening_rank_search_on_randomized_triples_finds_the_full_svds_rank():
+    """On D of 400 × 410 the rank search doubles from FIRST_RANK on the randomized top triples (far cheaper than the
+    full SVD): on a smooth D at rtol 1e-5 (rank 23: past the first rank, so found after a doubling) it picks the full
+    SVD's smallest rank (or one more), every entry within rtol; a random D, which needs full rank, gets full rank from
+    the full SVD after the randomized ranks miss."""
+    smooth = _smooth_damped(400, 410, 7)
+    left, right = whitening_factors(smooth, 1e-5)
+    exact = _exact_smallest_rank(smooth, 1e-5)
+    assert FIRST_RANK < exact < 2 * FIRST_RANK and exact <= len(left) <= exact + 1
+    assert ((left.T @ right - smooth.rsqrt()).abs() <= 1e-5 * smooth.rsqrt()).all()
+    rough = 0.1 + torch.rand(400, 410, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    left, right = whitening_factors(rough, 1e-3)
+    assert len(left) == _exact_smallest_rank(rough, 1e-3)
+    assert ((left.T @ right - rough.rsqrt()).abs() <= 1e-3 * rough.rsqrt()).all()
 
 
 class Convolution(nn.Module):
