@@ -116,30 +116,30 @@ class GradientSplit:
                 candidates.append(layer)
         ties = [pair for pair in tied_embeddings(model) if contractible(pair[0].module)]
         captured = per_example_layers(model, candidates + [layer for pair in ties for layer in pair], objective.to_model(*probe)[0])
-        self.positions: dict[str, int] = {}  # the probe's capture positions T of each cut with one float capture
         self.cuts = [LayerCut.whole(layer, slice(blocks[layer.param_names[0]].start, blocks[layer.param_names[-1]].stop)) for layer in candidates if layer.name in captured]
         names = listed_names(model)
         self.cuts += [cut for embedding, output in ties if {embedding.name, output.name} <= captured for cut in tied_cuts(embedding, output, blocks, names, shared)]
-        incomplete = self._incomplete(probe) if self.cuts else set()
+        incomplete, positions = self._probe(probe) if self.cuts else (set(), {})
         self.cuts = [cut for cut in self.cuts if cut.name not in incomplete]
-        self.positions = {name: t for name, t in self.positions.items() if name not in incomplete}
+        self.positions: dict[str, int] = {name: t for name, t in positions.items() if name not in incomplete}  # each kept cut's capture positions T, where it has one float capture
         rest = [n for n, b in blocks.items() if not any(cut.cols.start <= b.start and b.stop <= cut.cols.stop for cut in self.cuts)]
         self.rest_columns = torch.cat([torch.arange(blocks[n].start, blocks[n].stop) for n in rest]) if rest else None
         self.rest = Objective(objective.model, objective.task, rest) if rest else None
 
-    def _incomplete(self, probe: tuple[torch.Tensor, torch.Tensor], rtol: float = 1e-3) -> set[str]:
-        """Cuts whose captured gradient, summed over the probe's examples, is not autograd's: a weight that tensor
-        code also uses outside its module (F.linear(h, emb.weight)) has gradient its captures miss. Those keep vmap."""
+    def _probe(self, probe: tuple[torch.Tensor, torch.Tensor], rtol: float = 1e-3) -> tuple[set[str], dict[str, int]]:
+        """From one captured pass over the probe's rows: the cuts whose captured gradient, summed over the examples, is
+        not autograd's (a weight that tensor code also uses outside its module, F.linear(h, emb.weight), has gradient
+        its captures miss; those keep vmap), and the capture positions T of each cut with one float capture."""
         objective = self.objective
         x, y = objective.to_model(*probe)
         expected = objective.summed_gradient(x, y)
         batch, incomplete = captured_batch(self, x, y), set()
-        self.positions = {cut.name: shares[0][0].shape[1] for cut in self.cuts if len(shares := batch.shares(cut.name)) == 1 and shares[0][0].is_floating_point()}
+        positions = {cut.name: shares[0][0].shape[1] for cut in self.cuts if len(shares := batch.shares(cut.name)) == 1 and shares[0][0].is_floating_point()}
         for cut in self.cuts:
             found, want = cut.to_flat(summed_cut_gradient(batch, cut), "parameters")[0], expected[cut.cols]
             if (want - found).norm() > rtol * want.norm():
                 incomplete.add(cut.name)
-        return incomplete
+        return incomplete, positions
 
     @property
     def layers(self) -> list[TrackedLayer]:

@@ -79,7 +79,8 @@ def _aggregate(stage: AggregationInput, loc: StageLocation) -> dict[str, Any]:
 
 
 def _from_scores(spec: AggregateSpec, group: Any, scores: Any) -> tuple[Aggregates, Any]:
-    """Streamed over the stored scores a column shard at a time; the totals go straight into their array."""
+    """Streamed over the stored scores in blocks of whole column shards (`aggregate_scores`); the totals go straight
+    into their array, chunked like the shards."""
     check_top_k(spec, scores.shape[1])
     columns = (scores.shards or scores.chunks)[1]
     totals = group.create_array("train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True, dimension_names=DIMENSIONS["train_totals"])
