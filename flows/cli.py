@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .parameters import RunParameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
+CacheUrl = Annotated[Optional[str], typer.Option(help="The run's stage store, where it is now (when it moved); default: the one the run recorded.")]
 console = Console()
 
 
@@ -212,12 +213,13 @@ def show(
     queries: Annotated[int, typer.Option(min=1, help="How many queries to show.")] = 10,
     top: Annotated[Optional[int], typer.Option(min=1, show_default="all stored", help="Most helpful and most harmful examples per query, up to the run's top_k.")] = None,
     tokens: Annotated[bool, typer.Option("--tokens", help="Print each passage with its tokens highlighted by their scores (a run with aggregate.token_scores).")] = False,
+    cache_url: CacheUrl = None,
 ) -> None:
     """Print the top-k table of a finished run (with --tokens, its passages highlighted token by token)."""
     from influence_core.errors import ConfigError
     from influence_core.pipeline.store.publish import read_run
 
-    store = open_store(output_url, endpoint_url)
+    store = open_store(output_url, endpoint_url, cache_url)
     try:
         attrs, rows = read_run(store, queries, top)
     except ConfigError as exc:
@@ -246,6 +248,7 @@ def query(
     search: Annotated[str, typer.Option(help="scan: score every index row (exact); faiss: candidates from a FAISS inner-product index over the rows, built once and kept beside the index.")] = "scan",
     faiss_index: Annotated[str, typer.Option(help="With --search faiss: flat (exact), ivf or hnsw (approximate); auto: flat up to 100,000 rows, ivf above.")] = "auto",
     nprobe: Annotated[Optional[int], typer.Option(show_default="1/16 of the lists", help="With an ivf index: lists searched per query (more: slower, higher recall).")] = None,
+    cache_url: CacheUrl = None,
 ) -> None:
     """Score new queries against a finished run's training index, in this process: its model, curvature and index
     come from the run's store, and no training gradient is evaluated."""
@@ -255,7 +258,7 @@ def query(
     from influence_core.pipeline.score.query import ask
 
     how = search_spec(search, faiss_index, nprobe)
-    store = open_store(run, endpoint_url)
+    store = open_store(run, endpoint_url, cache_url)
     start = time.perf_counter()
     try:
         found, rows, method = ask(store, queries, top, open_store(output_url, endpoint_url) if output_url else None, how)
@@ -295,14 +298,34 @@ def search_line(search: dict[str, Any]) -> str:
 
 
 @app.command()
+def repair(
+    output_url: Annotated[str, typer.Argument(help="Output URL of a run whose stages are damaged or incomplete: local path or s3://bucket/prefix.")],
+    endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
+    cache_url: CacheUrl = None,
+) -> None:
+    """Run the pipeline again with a run's own recorded parameters: damaged or missing stage outputs are computed
+    again, intact ones are kept, and the run is published anew."""
+    from influence_core.errors import ConfigError
+    from influence_core.pipeline.store.publish import recorded_parameters
+
+    try:
+        config = recorded_parameters(open_store(output_url, endpoint_url, cache_url))
+    except ConfigError as exc:
+        raise fail([str(exc)], 1) from None
+    execute(parse_parameters(config))
+
+
+@app.command()
 def verify(
     output_url: Annotated[str, typer.Argument(help="Output URL of a run: local path or s3://bucket/prefix.")],
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
+    cache_url: CacheUrl = None,
 ) -> None:
-    """Check a run: complete, every array of the output layout with its shape, aggregates equal to the scores'. Exit 1 on any failure."""
+    """Check a run: complete, every array of the output layout with its shape, aggregates equal to the scores', every
+    stage's stored bytes as recorded. Exit 1 on any failure."""
     from influence_core.pipeline.report.verify import verify_run
 
-    store = open_store(output_url, endpoint_url)
+    store = open_store(output_url, endpoint_url, cache_url)
     checks = verify_run(store)
     table = Table(title=f"verify {store.output_url}")
     for column in ("check", "result", "detail"):
@@ -316,8 +339,9 @@ def verify(
     console.print(f"All {len(checks)} checks passed.")
 
 
-def open_store(output_url: str, endpoint_url: str | None) -> RunStore:
-    """The run's location for show and verify; a bad URL is an invalid parameter (exit 2)."""
+def open_store(output_url: str, endpoint_url: str | None, cache_url: str | None = None) -> RunStore:
+    """The run's location for show, query and verify (its stage store `cache_url` when given: one that moved); a
+    bad URL is an invalid parameter (exit 2)."""
     from pydantic import ValidationError
 
     from influence_core.pipeline.store.run_store import RunStore
@@ -326,7 +350,7 @@ def open_store(output_url: str, endpoint_url: str | None) -> RunStore:
     from .messages import validation_lines
 
     try:
-        return RunStore(output_url=output_url, storage=StorageSpec(endpoint_url=endpoint_url))
+        return RunStore(output_url=output_url, storage=StorageSpec(endpoint_url=endpoint_url, cache_url=cache_url))
     except ValidationError as exc:
         raise fail(validation_lines(exc, RunStore), 2) from None
 

@@ -32,7 +32,7 @@ COMMANDS = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-def
 
 
 def test_every_command_is_covered():
-    assert COMMANDS == ["demo", "query", "run", "show", "verify"]  # a new command joins the help tests below
+    assert COMMANDS == ["demo", "query", "repair", "run", "show", "verify"]  # a new command joins the help tests below
 
 
 @pytest.mark.parametrize("command", [[], *([name] for name in COMMANDS)], ids=lambda c: " ".join(c) or "top")

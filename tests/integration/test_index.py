@@ -15,6 +15,8 @@ from flows.influence_run import influence_run
 from influence_core.pipeline.stages import index, query_factors
 from influence_core.pipeline.score import scoring
 from influence_core.pipeline.store import storage
+from influence_core.pipeline.store.run_store import RunStore
+from influence_core.pipeline.specs import StorageSpec
 from influence_core.pipeline.runtime.cluster import dask_client
 from influence_core.pipeline.score.score_input import ScoringInput
 from influence_core.errors import ConfigError
@@ -85,6 +87,11 @@ def _run(tmp_path, name: str, queries: slice, cache: str, cluster: str = "sequen
     return json.loads((tmp_path / name / "summary.json").read_text()), read_outputs(params.store())[1]
 
 
+def _stage_store(tmp_path, run: str, cache: str) -> RunStore:
+    """Run `run`'s store: summary.json records the URLs in its stage store `cache` as "{cache}/..."."""
+    return RunStore(output_url=str(tmp_path / run), storage=StorageSpec(cache_url=str(tmp_path / cache)))
+
+
 def test_new_queries_reuse_the_training_side(tmp_path, prefect_api, monkeypatch):
     """Run B asks 15 new queries of run A's training rows (a shared stage cache): fit_model, fit_preconditioner,
     index_training and validation's retrainings are reused, B evaluates gradients of its 15 queries only, and its
@@ -118,7 +125,8 @@ def test_new_queries_reuse_the_training_side(tmp_path, prefect_api, monkeypatch)
         np.testing.assert_array_equal(reused[name], values, err_msg=name)
     assert again["validation"]["lds_per_query"] == fresh["validation"]["lds_per_query"]
     for name in ("fit_model", "fit_preconditioner"):  # the stored model and curvature, byte for byte
-        assert storage.read_bytes(stages[name]["url"], {}) == storage.read_bytes(fresh["stages"][name]["url"], {}), name
+        urls = [_stage_store(tmp_path, run, cache).resolve(summary["stages"][name]["url"]) for run, cache, summary in (("b", "cache", again), ("fresh", "fresh-cache", fresh))]
+        assert storage.read_bytes(urls[0], {}) == storage.read_bytes(urls[1], {}), name
     # the reused model's summary tells its losses on B's queries, as the fresh run that trained it does, not on A's
     assert stages["fit_model"]["metrics"] == fresh["stages"]["fit_model"]["metrics"]
     assert stages["fit_model"]["metrics"]["query_loss"] != first["stages"]["fit_model"]["metrics"]["query_loss"]
@@ -260,9 +268,9 @@ def test_a_damaged_whitening_is_found_and_the_index_written_again(tmp_path, pref
     assert outcomes.pop("index_training") == "computed" and set(outcomes.values()) <= {"cached", "found complete"}
     assert again["stages"]["index_training"]["chunks_computed"] == again["stages"]["index_training"]["n_chunks"] == 4
     assert_same_outputs(params.store(), expected)
-    whitening.write_bytes(b"#" * whitening.stat().st_size)  # overwritten at its size: the inventory cannot tell
+    whitening.write_bytes(b"#" * whitening.stat().st_size)  # overwritten at its size: its sha256 tells
     x, y = load_digits(return_X_y=True)
-    with pytest.raises(ConfigError, match=r"^index_training: the training index's whitening factors at .* are damaged .* Fix: delete .*/stages/index_training/\w+ and run again"):
+    with pytest.raises(ConfigError, match=r"^index_training: the run at .* cannot be used: its index_training output index.zarr/whitening.pt holds other bytes than recorded .* Fix: run `influence-pipeline repair .*/run`"):
         answer(params.store(), torch.from_numpy(x[-3:].astype(np.float32)), y[-3:], top_k=3)  # new queries: refused in one line, never scored with other factors
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from influence_core.pipeline.store.loading import load_state, save_tensors
+from influence_core.pipeline.model.models import load_stored
+from influence_core.pipeline.store.loading import save_tensors
 
 
 def test_a_view_is_saved_as_its_own_numbers(tmp_path):
@@ -14,5 +15,5 @@ def test_a_view_is_saved_as_its_own_numbers(tmp_path):
     url = str(tmp_path / "t.pt")
     save_tensors(url, {"left": full[:5], "whole": full[:2, :3].contiguous(), "kind": "sketch"}, {})
     assert (tmp_path / "t.pt").stat().st_size < 2 * 5 * 1000 * 8
-    state = load_state(url, {}, field="index_training")
+    state = load_stored(url, {}, field="index_training")
     assert torch.equal(state["left"], full[:5]) and torch.equal(state["whole"], full[:2, :3]) and state["kind"] == "sketch"

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..store import storage
+from ..store import integrity, storage
 from ... import examples
 from ...batches import ArrayBatches
 from ...training import SHUFFLE_BLOCK_ROWS, train as fit
@@ -170,11 +170,11 @@ def state_bytes(model: nn.Module) -> bytes:
     return buffer.getvalue()
 
 
-def checkpoint_stamp(url: str, options: dict[str, Any], field: str = "model.checkpoint") -> str:
-    """The checkpoint's size and stamp (part of fit_model's key: a replaced checkpoint is loaded again), read
-    without its content; a missing file or object is refused naming the field."""
+def checkpoint_content(url: str, options: dict[str, Any], field: str = "model.checkpoint") -> str:
+    """The checkpoint's content digest (part of fit_model's key: a replaced checkpoint is loaded again, whatever its
+    size and stamps); a missing file or object is refused naming the field."""
     try:
-        return storage.stat_token(url, options)
+        return storage.content_token(url, options)
     except FileNotFoundError:
         raise _missing_checkpoint(url, field) from None
 
@@ -189,6 +189,25 @@ def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint
         raw = storage.read_bytes(url, options)
     except FileNotFoundError:
         raise _missing_checkpoint(url, field) from None
+    return parse_state(raw, url, field, device)
+
+
+STORED_FIX = "run the pipeline again with the same parameters: the damaged stage is computed again"
+
+
+def load_stored(url: str, options: dict[str, Any], field: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A state_dict the pipeline wrote (`save_stored`), its bytes checked against their recorded sha256 first;
+    FileNotFoundError when absent, integrity.DamagedError (one line naming `field`) when damaged."""
+    return parse_state(integrity.read_checked(url, options, field, STORED_FIX), url, field, device)
+
+
+def save_stored(url: str, raw: bytes, options: dict[str, Any]) -> None:
+    """Store a serialized state_dict with its sha256, for `load_stored`."""
+    integrity.write_checked(url, raw, options)
+
+
+def parse_state(raw: bytes, url: str, field: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A state_dict from its bytes: safetensors, or torch.load with weights_only=True."""
     if url.endswith(".safetensors"):
         return {name: value.to(device) for name, value in _safetensors(raw, url, field).items()}
     try:

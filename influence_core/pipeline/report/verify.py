@@ -13,6 +13,8 @@ import numpy as np
 import zarr
 
 from ..store import damage, storage
+from ..store.binding import check_stages
+from ..store.publish import stored_refs, with_recorded_cache
 from ..store.run_store import RunStore
 
 RTOL = 1e-5  # float32 scores: stored aggregates may differ from a recomputation by a few ulps
@@ -80,6 +82,7 @@ def verify_run(store: RunStore) -> list[Check]:
         if ok:
             arrays[name] = node
     checks.append(_fingerprints(attrs, arrays))
+    checks += _stages(store, attrs)
     checks += [_token_sums(group, kind, arrays) for kind in ("helpful", "harmful") if f"topk_{kind}_token_scores" in group]
     if knn_k is not None:
         if not {"candidate_indices", "candidate_scores"} <= set(arrays):
@@ -88,6 +91,17 @@ def verify_run(store: RunStore) -> list[Check]:
     if "scores" not in arrays:
         return [*checks, Check("aggregates", False, "no valid scores array to check them against")]
     return [*checks, *_against_scores(arrays, k)]
+
+
+def _stages(store: RunStore, attrs: dict[str, Any]) -> list[Check]:
+    """Every stage the run recorded: complete, each byte of its output hashed again and equal to its manifest's record,
+    and made from the run's other stages (`binding.check_stages`)."""
+    store = with_recorded_cache(store, attrs)
+    try:
+        refs = stored_refs(store, attrs)
+    except (KeyError, TypeError, ValueError):
+        return [Check("stages", False, "the attributes' refs cannot be read")]
+    return [Check(f"stage {name}", not wrong, wrong[0] if wrong else "complete; every object hashed again, as recorded") for name, wrong in check_stages(store, refs, list(refs), deep=True).items()]
 
 
 def _token_sums(group: zarr.Group, kind: str, arrays: dict[str, zarr.Array]) -> Check:

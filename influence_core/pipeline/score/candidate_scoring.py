@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from distributed import Client
 
-from ..store import storage
+from ..store import integrity, storage
 from .chunks import ChunkJob, ChunkWorker, Progress, execute
 from .knn_prefilter import build_index, candidate_entries, index_kind, module_features, nearest
 from ... import examples
@@ -62,20 +62,26 @@ class CandidateJob(ChunkJob):
         values = scores.detach().cpu()[torch.from_numpy(q), torch.from_numpy(c)].numpy().astype(np.float32)
         _save_npy(self.path("parts", f"{index}.npy"), np.stack([entries.astype(np.float64), values.astype(np.float64)]), self.options)
 
-    def written(self) -> set[int]:
-        """Chunks whose part is saved."""
-        names = (name.removesuffix(".npy") for name in storage.list_names(self.path("parts"), self.options))
-        return {int(name) for name in names if name.isdigit()}
+    @property
+    def base_url(self) -> str:
+        """The stage's folder, which holds the parts."""
+        return self.stage.call.location.url
+
+    def objects(self, index: int) -> list[str]:
+        """Chunk `index`'s part and its digest."""
+        return integrity.file_keys(f"parts/{index}.npy")
 
 
 def _save_npy(url: str, array: np.ndarray, options: dict[str, Any]) -> None:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
-    storage.write_bytes(url, buffer.getvalue(), options)
+    integrity.write_checked(url, buffer.getvalue(), options)
 
 
 def _load_npy(url: str, options: dict[str, Any]) -> np.ndarray:
-    return np.load(io.BytesIO(storage.read_bytes(url, options)), allow_pickle=False)
+    """A saved array, its bytes checked (`integrity.read_checked`)."""
+    raw = integrity.read_checked(url, options, "compute_influences", "run again: the candidates are computed again")
+    return np.load(io.BytesIO(raw), allow_pickle=False)
 
 
 def feature_rows(job: CandidateJob, split: str, lo: int, hi: int) -> np.ndarray:
@@ -102,8 +108,10 @@ def _candidates(job: CandidateJob, client: Client | None) -> tuple[np.ndarray, d
     url = job.path("candidates.npy")
     n_train = job.stage.data.n_train
     info: dict[str, Any] = {"knn_k": job.spec.knn_k, "index": index_kind(n_train, job.spec.index), "module": job.spec.module or "penultimate"}
-    if storage.exists(url, job.options):
+    try:
         return _load_npy(url, job.options), info
+    except (FileNotFoundError, integrity.DamagedError):  # not stored yet, or damaged: found again
+        pass
     started = time.perf_counter()
     train, test = _features(job, client)
     built = time.perf_counter()
@@ -140,7 +148,7 @@ def _compute(job: CandidateJob, client_factory: Callable[[], Any], on_progress: 
     scores = _assemble(job, candidates, needed)
     shape = candidates.shape
     for name, values in (("candidate_indices", candidates), ("candidate_scores", scores)):
-        group.create_array(name, shape=shape, chunks=(min(shape[0], 1024), shape[1]), dtype=values.dtype, overwrite=True, attributes={"job": job.key, "n_train": job.stage.data.n_train}, dimension_names=DIMENSIONS[name])[...] = values
+        storage.create_array(group, name, shape=shape, chunks=(min(shape[0], 1024), shape[1]), dtype=values.dtype, overwrite=True, attributes={"job": job.key, "n_train": job.stage.data.n_train}, dimension_names=DIMENSIONS[name])[...] = values
     group["candidate_indices"].attrs["fingerprint"] = job.key
     group["candidate_scores"].attrs["fingerprint"] = job.key  # last: the output counts as complete from here
     return {

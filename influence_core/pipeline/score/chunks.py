@@ -2,8 +2,10 @@
 one worker cache, one marker scheme and one executor.
 
 A task scores one train chunk against every query, writes its part, then leaves the marker
-`{stage_url}/done/{index}`. A chunk is done only when its marker and its written part are both in the store (a
-marker alone never counts), so a rerun submits only the rest.
+`{stage_url}/done/{index}`: the record (size, stamp, sha256) of every object it wrote (`integrity.py`). A chunk is
+done only when its marker is there and each object it records still matches it (a deleted, truncated or
+overwritten chunk is redone), so a rerun submits only the rest, and the stage's manifest takes the markers'
+digests instead of reading the chunks again.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from typing import Any
 import torch
 from distributed import Client
 
-from ..store import storage
+from ..store import integrity, storage
 from ...batches import Batches
 from ...examples import Inputs
 from ...methods.scorer import Scorer
 from ...self_influence import SelfInfluencePlan
 from ...work import Work
+from ..store.stage import MARKERS
 from ..store.loading import batches_of, load_influence_model, read_factors, training_rows
 from .score_input import Member, ScoringInput
 from ..runtime.cluster import task_slots, throttled
@@ -113,14 +116,26 @@ class ChunkJob(ABC):
         """A file of the stage's own directory (markers, parts, plans)."""
         return storage.join(self.stage.call.location.url, *parts)
 
-    def marked(self) -> set[int]:
-        """Chunks whose completion marker is in the store."""
-        return {int(name) for name in storage.list_names(self.path("done"), self.options) if name.isdigit()}
+    @property
+    def base_url(self) -> str:
+        """The folder of the output the chunks are written into: markers name objects relative to it."""
+        return self.influence_url
+
+    def marker_url(self, index: int) -> str:
+        return self.path(MARKERS, str(index))
 
     def pending(self, needed: list[int]) -> list[int]:
-        """The chunks of `needed` without both a marker and their written part."""
-        done = self.marked() & self.written()
+        """The chunks of `needed` not done: without a marker, or with an object that no longer matches its record."""
+        names = [name for name in storage.list_names(self.path(MARKERS), self.options) if name.isdigit()]
+        markers = integrity.read_markers([self.marker_url(int(name)) for name in names], self.options)
+        present = storage.object_stats(self.base_url, self.options) if markers else {}
+        done = {int(url.rsplit("/", 1)[-1]) for url, entries in markers.items() if entries and not integrity.problems(self.base_url, entries, self.options, present=present)}
         return [i for i in needed if i not in done]
+
+    def mark(self, index: int) -> None:
+        """Record what chunk `index` wrote (each object read back and hashed), as its marker."""
+        entries = integrity.record(self.base_url, self.objects(index), self.options)
+        storage.write_json(self.marker_url(index), entries, self.options)
 
     def self_influence_plan(self, member: int) -> SelfInfluencePlan | None:
         """The self-influence plan member `member`'s scorer applies (None: no self-influence)."""
@@ -131,8 +146,8 @@ class ChunkJob(ABC):
         return None
 
     @abstractmethod
-    def written(self) -> set[int]:
-        """Chunks whose part is wholly in the store."""
+    def objects(self, index: int) -> list[str]:
+        """The objects chunk `index` writes, relative to `base_url`."""
 
     @abstractmethod
     def score(self, worker: Any, index: int) -> None:
@@ -192,7 +207,7 @@ def chunk_task(job: ChunkJob, index: int) -> dict[str, float]:
         worker = _worker(job)
         before = worker.work()
         job.score(worker, index)
-        storage.write_bytes(job.path("done", str(index)), b"", job.options)
+        job.mark(index)
         return (worker.work() - before).as_dict()
 
 

@@ -2,8 +2,9 @@
 per question.
 
 The first question that asks for it builds it from the stored vectors (read chunk by chunk) and keeps it beside the
-training index in the stage store (local or s3://), keyed by the index's fingerprint and the FAISS index's own
-parameters; later questions load it. Its searches give each query's candidate rows for its largest scores and, with
+training index in the stage store (local or s3://), keyed by the index's fingerprint and content digest and the
+FAISS index's own parameters (a rebuilt index, or one repaired after damage, never meets a FAISS index built from
+other rows); later questions load it, its bytes checked against their sha256. Its searches give each query's candidate rows for its largest scores and, with
 the negated query factors, for its smallest; `query.py` scores the candidates exactly.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 import zarr
 
 from ..specs import SearchSpec
-from ..store import storage
+from ..store import integrity, storage
 from ..store.refs import IndexRef
 from .knn_prefilter import build_index, index_params, nearest
 
@@ -46,7 +47,7 @@ class FaissIndex:
 
 def cache_url(index: IndexRef, params: dict[str, Any]) -> str:
     """Where the FAISS index with `params` over `index` is kept: in its stage folder, keyed by both."""
-    key = hashlib.sha256(json.dumps({"index": index.fingerprint, "format": FORMAT, **params}, sort_keys=True).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps({"index": index.identity, "format": FORMAT, **params}, sort_keys=True).encode()).hexdigest()[:24]
     return storage.join(posixpath.dirname(index.url), "faiss", f"{key}.faiss")
 
 
@@ -64,7 +65,7 @@ def open_index(index: IndexRef, search: SearchSpec, options: dict[str, Any], thr
     if params["kind"] == "ivf":
         built.make_direct_map()  # candidates' vectors are read back from the index to score them exactly
     seconds = time.perf_counter() - start
-    _store(url, built, {"index": index.fingerprint, "params": params, "build_seconds": round(seconds, 3)}, options)
+    _store(url, built, {"index": index.identity, "params": params, "build_seconds": round(seconds, 3)}, options)
     return FaissIndex(built, url, params, True, time.perf_counter() - start, seconds)
 
 
@@ -78,32 +79,25 @@ def _vectors(features: zarr.Array) -> np.ndarray:
 
 
 def _store(url: str, built: faiss.Index, manifest: dict[str, Any], options: dict[str, Any]) -> None:
-    """The serialized index, then its manifest (its size and what it is), written last: a file without one, or of
-    another size, is never read. A local file is written by FAISS itself, without a copy in memory."""
+    """The serialized index with its sha256, then its manifest (what it is), written last: a file without one is
+    never read."""
     import faiss
 
-    fs, path = storage.filesystem(url, options)
-    if storage.is_remote(url):
-        storage.write_bytes(url, faiss.serialize_index(built).tobytes(), options)
-    else:
-        fs.mkdirs(posixpath.dirname(path), exist_ok=True)
-        faiss.write_index(built, path)
-    storage.write_json(_manifest_url(url), {**manifest, "bytes": fs.size(path)}, options)
+    integrity.write_checked(url, faiss.serialize_index(built).tobytes(), options)
+    storage.write_json(_manifest_url(url), manifest, options)
 
 
 def _load(url: str, options: dict[str, Any]) -> tuple[faiss.Index, float] | None:
-    """The kept index and how long it took to build, or None when it is absent or incomplete. A local file is read
-    by FAISS itself (3 times faster than deserializing its bytes)."""
+    """The kept index and how long it took to build, or None when it is absent, incomplete or damaged (it is then
+    built again)."""
     import faiss
 
-    if not storage.exists(_manifest_url(url), options):
+    try:
+        manifest = storage.read_json(_manifest_url(url), options)
+        raw = integrity.read_checked(url, options, "--search", "")
+    except (FileNotFoundError, ValueError):  # DamagedError is a ValueError
         return None
-    manifest = storage.read_json(_manifest_url(url), options)
-    fs, path = storage.filesystem(url, options)
-    if not fs.exists(path) or fs.size(path) != manifest["bytes"]:
-        return None
-    read = faiss.deserialize_index(np.frombuffer(storage.read_bytes(url, options), dtype=np.uint8)) if storage.is_remote(url) else faiss.read_index(path)
-    return read, float(manifest["build_seconds"])
+    return faiss.deserialize_index(np.frombuffer(raw, dtype=np.uint8)), float(manifest["build_seconds"])
 
 
 def _manifest_url(url: str) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from pydantic import TypeAdapter
 
-from ..store import storage
+from ..store import integrity, storage
 from ... import examples
 from ...errors import ConfigError
 from ...work import Work
@@ -28,12 +28,14 @@ from .score_reductions import TIE_MARGIN, RunningTopK, read_ahead
 from .layout import DIMENSIONS
 from ..model.models import check_queries, probe_forward
 from ..store.loading import index_projection, load_influence_model, open_data
-from ..store.publish import read_attrs, stored_refs, task_decode
+from ..store.publish import read_attrs, stored_refs, task_decode, with_recorded_cache
 from ..store.refs import DataRef, IndexRef, ModelRef
 from ..report.report import QueryRow, topk_rows
+from ..store.binding import require_stages
 from ..store.run_store import RunStore
 from ..specs import MethodSpec, ModelSpec, SearchSpec
 
+ANSWERING = ("prepare_data", "fit_model", "fit_preconditioner", "index_training")  # the stages a question reads
 TOPK = ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores")
 
 
@@ -53,8 +55,9 @@ class Answer:
 
 def run_index(store: RunStore) -> tuple[dict[str, Any], ModelRef, Any, IndexRef, DataRef]:
     """A finished run's config, model, curvature, training index and data refs; refused in one line when the run
-    has no usable index or is an ensemble."""
+    has no usable index, is an ensemble, or any of them is damaged or not what the index was built from."""
     attrs = read_attrs(store)
+    store = with_recorded_cache(store, attrs)
     refs = stored_refs(store, attrs)
     index = refs.get("index_training")
     if not isinstance(index, IndexRef) or not index.usable:
@@ -62,6 +65,7 @@ def run_index(store: RunStore) -> tuple[dict[str, Any], ModelRef, Any, IndexRef,
         raise ConfigError("run", f"the run at {store.output_url} {why}", "rerun it with compute.index_budget_gb large enough (its summary.json says how large), then ask again")
     if any(name.startswith("fit_model[") for name in refs):
         raise ConfigError("run", f"the run at {store.output_url} is an ensemble (training.ensemble > 1); questions take a single model", "ask a run of one model, or run the pipeline with the new queries (storage.cache_url shared: the members' indexes are reused)")
+    require_stages(store, refs, list(ANSWERING))  # complete, intact, and the ones the index was built from
     model, data = refs["fit_model"], refs["prepare_data"]
     assert isinstance(model, ModelRef) and isinstance(data, DataRef)
     return attrs["config"], model, refs["fit_preconditioner"], index, data
@@ -111,11 +115,12 @@ def scan_top_k(index: IndexRef, factors: torch.Tensor, top_k: int, options: dict
     """Each query's exact top-k: every row of the index scored, a chunk at a time (one GEMM each)."""
     features = storage.open_array(index.array("features"), options)
     best = RunningTopK(len(factors), top_k)
-    for lo, block in read_ahead(features):
-        work.index_rows += len(block)
-        work.index_bytes += block.nbytes
-        work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
-        best.add((factors @ torch.from_numpy(block).to(device=factors.device, dtype=factors.dtype).T).float(), lo)
+    with integrity.chunk_reads("index_training", index.url, "run the pipeline again with the run's parameters: the damaged index chunks are computed again"):
+        for lo, block in read_ahead(features):
+            work.index_rows += len(block)
+            work.index_bytes += block.nbytes
+            work.score_flops += 2.0 * factors.shape[0] * block.shape[0] * block.shape[1]
+            best.add((factors @ torch.from_numpy(block).to(device=factors.device, dtype=factors.dtype).T).float(), lo)
     return best.arrays()
 
 
@@ -163,8 +168,8 @@ def write_answer(url: str, answer: Answer, run_url: str, options: dict[str, Any]
     the top-k was found."""
     group = storage.open_group(url, options, mode="w")
     for name in TOPK:
-        group.create_array(name, data=answer.arrays[name], dimension_names=DIMENSIONS[name])
-    group.create_array("argmax", data=answer.arrays["topk_helpful_indices"][:, 0], dimension_names=DIMENSIONS["argmax"])
+        storage.create_array(group, name, data=answer.arrays[name], dimension_names=DIMENSIONS[name])
+    storage.create_array(group, "argmax", data=answer.arrays["topk_helpful_indices"][:, 0], dimension_names=DIMENSIONS["argmax"])
     group.attrs.update({"status": "complete", "run": run_url, "work": answer.work.as_dict(), "search": answer.search})
 
 

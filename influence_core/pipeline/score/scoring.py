@@ -10,7 +10,6 @@ count as complete, is written after the last chunk.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,15 +25,15 @@ from ... import examples
 from ...errors import ConfigError
 from .chunks import ChunkJob, ChunkWorker, Progress, execute
 from .layout import DIMENSIONS
-from ..model.models import load_state
+from ..model.models import load_stored
 from ..store.refs import DataRef, IndexRef, ScoresRef
 from ...self_influence import SelfInfluencePlan, describe, plan_from_state, plan_state
 from .score_input import Member, ScoringInput, output_bytes
 from ..runtime.cluster import Placement, place
-from ..specs import METHOD_CLASSES, AggregateSpec, ClusterKind, ComputeSpec
+from ..specs import METHOD_CLASSES, AggregateSpec, ClusterKind
 from ...work import Work, forward_flops
 from ...methods import InfluenceFunctionModel
-from ..store.loading import build_module, first_training_row, index_projection, load_influence_model, save_tensors
+from ..store.loading import build_module, first_training_row, index_projection, intact_file, load_influence_model, save_tensors
 from ..store.stage import StageLocation
 from ..store.run_store import RunStore
 
@@ -45,8 +44,8 @@ def plan_url(job: ChunkJob, member: int) -> str:
 
 
 def stored_plan(job: ChunkJob, member: int) -> SelfInfluencePlan | None:
-    """The plan the driver stored for member `member` (a ConfigError when it is absent or cut short)."""
-    return plan_from_state(load_state(plan_url(job, member), job.options, field="self_influence_plan", device=job.stage.compute.torch_device))
+    """The plan the driver stored for member `member` (FileNotFoundError when absent, a ConfigError when damaged)."""
+    return plan_from_state(load_stored(plan_url(job, member), job.options, field="compute_influences", device=job.stage.compute.torch_device))
 
 
 def self_influence_plan(job: ChunkJob, member: int, make: Callable[[], InfluenceFunctionModel], aggregate: AggregateSpec, n_queries: int | None, work: Work) -> SelfInfluencePlan:
@@ -55,7 +54,7 @@ def self_influence_plan(job: ChunkJob, member: int, make: Callable[[], Influence
     the workers."""
     try:
         return stored_plan(job, member)
-    except ConfigError:  # not stored yet, or cut short by a crash
+    except (FileNotFoundError, ConfigError):  # not stored yet, or cut short by a crash
         pass
     im = make()
     made = im.self_influence_plan(aggregate.self_influence, aggregate.self_influence_rank, n_queries=n_queries)
@@ -98,23 +97,11 @@ class ScoreJob(ChunkJob):
             assert self_inf is not None
             self_out[lo:hi] = self_inf.detach().cpu().numpy().astype(np.float32)
 
-    def written(self) -> set[int]:
-        """Chunks whose every object is in the store, in the scores and any self-influences."""
-        done = set(range(self.stage.layout.n_tasks))
+    def objects(self, index: int) -> list[str]:
+        """The shards of train chunk `index` in the scores (every query row's) and its self-influences' chunk."""
         group = storage.open_group(self.influence_url, self.options, mode="r")
-        for name in ("scores", "self_influence"):
-            if name in group:
-                done &= self._stored_chunks(name)
-        return done
-
-    def _stored_chunks(self, name: str) -> set[int]:
-        """Train chunks whose every object of array `name` is in the store (one listing; tasks tile its last axis)."""
-        url = storage.join(self.influence_url, name)
-        present = storage.file_sizes(url, self.options)
-        meta = storage.open_array(url, self.options).metadata
-        grid = [math.ceil(size / chunk) for size, chunk in zip(meta.shape, meta.chunk_grid.chunk_shape)]
-        leading = list(itertools.product(*map(range, grid[:-1])))
-        return {i for i in range(grid[-1]) if all(meta.encode_chunk_key((*lead, i)) in present for lead in leading)}
+        names = [name for name in ("scores", "self_influence") if name in group]
+        return [f"{name}/{key}" for name in names for key in storage.chunk_keys(group[name], -1, index)]
 
 
 @dataclass(frozen=True)
@@ -134,7 +121,7 @@ class IndexScoreJob(ScoreJob):
         self-influences were computed once with the index: copied, never recomputed (how, as the index recorded it)."""
         for member, refs in enumerate(self.stage.members):
             assert refs.index is not None
-            if _projects_factors(refs) and not storage.exists(self.factors_url(member), self.options):
+            if _projects_factors(refs) and not intact_file(self.factors_url(member), self.options):
                 stage = self.stage
                 im = load_influence_model(stage.method, refs.model, stage.data, refs.preconditioner, self.options, stage.compute.torch_device)
                 flat = torch.from_numpy(np.asarray(storage.open_array(refs.factors.url, self.options)[:])).to(im.objective.space.device)
@@ -183,7 +170,7 @@ class IndexScoreWorker:
         group = _group(member.index, self.options)
         assert member.index is not None
         if _projects_factors(member):
-            factors = load_state(job.factors_url(index), self.options, field="index_factors", device=self.device)["factors"]
+            factors = load_stored(job.factors_url(index), self.options, field="compute_influences", device=self.device)["factors"]
         else:
             factors = torch.from_numpy(np.asarray(storage.open_array(member.factors.url, self.options)[:])).to(self.device)
         return factors, group["features"], group["self_influence"] if "self_influence" in group else None
@@ -233,9 +220,9 @@ def _prepare_arrays(job: ScoreJob, with_self_influence: bool) -> zarr.Group:
         return group
     storage.remove(job.path("done"), job.options)
     layout = job.stage.layout
-    group.create_array("scores", shape=(layout.n_test, layout.n_train), chunks=layout.chunk, shards=layout.shard, dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["scores"])
+    storage.create_array(group, "scores", shape=(layout.n_test, layout.n_train), chunks=layout.chunk, shards=layout.shard, dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["scores"])
     if with_self_influence:
-        group.create_array("self_influence", shape=(layout.n_train,), chunks=(layout.train_rows,), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["self_influence"])
+        storage.create_array(group, "self_influence", shape=(layout.n_train,), chunks=(layout.train_rows,), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["self_influence"])
     elif "self_influence" in group:
         del group["self_influence"]  # a self-influence of another configuration must not survive beside these scores
     return group

@@ -420,7 +420,7 @@ def _write_splits(group: Any, url: str, source: Source, firsts: dict[str, Block]
     for split_name, split in (("train", source.train), ("test", source.test)):
         first_x, first_y = firsts[split_name]
         made = {
-            name: group.create_array(name, shape=(split.n, *sample.shape[1:]), chunks=(min(chunk_rows, split.n), *sample.shape[1:]), dtype=sample.dtype)
+            name: storage.create_array(group, name, shape=(split.n, *sample.shape[1:]), chunks=(min(chunk_rows, split.n), *sample.shape[1:]), dtype=sample.dtype)
             for name, sample in {**_stored_names(first_x, split_name), f"y_{split_name}": first_y}.items()
         }
         digests = {name: hashlib.sha256(f"{arr.shape}{arr.dtype}".encode()) for name, arr in made.items()}

@@ -71,7 +71,7 @@ def _aggregate(stage: AggregationInput, loc: StageLocation) -> dict[str, Any]:
             if stale in group:
                 del group[stale]  # of an earlier configuration: never beside top-k they do not describe
     for name, values in outputs.items():
-        array = group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape, overwrite=True, dimension_names=DIMENSIONS[name])
+        array = storage.create_array(group, name, shape=values.shape, dtype=values.dtype, chunks=values.shape, overwrite=True, dimension_names=DIMENSIONS[name])
         array[...] = values
         array.attrs["fingerprint"] = loc.key
     totals.attrs["fingerprint"] = loc.key  # last: its fingerprint marks the stage complete
@@ -83,7 +83,7 @@ def _from_scores(spec: AggregateSpec, group: Any, scores: Any) -> tuple[Aggregat
     into their array, chunked like the shards."""
     check_top_k(spec, scores.shape[1])
     columns = (scores.shards or scores.chunks)[1]
-    totals = group.create_array("train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True, dimension_names=DIMENSIONS["train_totals"])
+    totals = storage.create_array(group, "train_totals", shape=(scores.shape[1],), chunks=(columns,), dtype="float32", fill_value=np.nan, overwrite=True, dimension_names=DIMENSIONS["train_totals"])
     return aggregate_scores(scores, spec.top_k, totals), totals
 
 
@@ -92,7 +92,7 @@ def _from_candidates(spec: AggregateSpec, group: Any, n_train: int) -> tuple[Agg
     indices, scores = np.asarray(group["candidate_indices"][...]), np.asarray(group["candidate_scores"][...])
     check_top_k(spec, scores.shape[1])
     result, values = aggregate_candidates(indices, scores, spec.top_k, n_train)
-    totals = group.create_array("train_totals", shape=values.shape, dtype="float32", overwrite=True, dimension_names=DIMENSIONS["train_totals"])
+    totals = storage.create_array(group, "train_totals", shape=values.shape, dtype="float32", overwrite=True, dimension_names=DIMENSIONS["train_totals"])
     totals[...] = values
     return result, totals
 

@@ -15,6 +15,7 @@ recomputes training gradients.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 import zarr
 
-from ..store import storage
+from ..store import integrity, storage
 from ... import examples
 from ...methods import IdentityInfluence, InfluenceFunctionModel, KfacInfluence
 from ...index_projection import IndexProjection
@@ -103,16 +104,15 @@ class IndexJob(ChunkJob):
     def self_influence_plan(self, member: int) -> SelfInfluencePlan | None:
         return stored_plan(self, member)
 
-    def written(self) -> set[int]:
-        """Chunks whose every object is in the store (features, and self-influences when computed)."""
+    @property
+    def base_url(self) -> str:
+        """The stage's folder, which holds index.zarr."""
+        return self.stage.call.location.url
+
+    def objects(self, index: int) -> list[str]:
+        """Chunk `index` of the features and of the self-influences (when computed)."""
         group = storage.open_group(self.url, self.options, mode="r")
-        done = set(range(math.ceil(self.stage.data.n_train / self.rows)))
-        for name in ("features", "self_influence"):
-            if name in group:
-                present = storage.file_sizes(storage.join(self.url, name), self.options)
-                meta = group[name].metadata
-                done &= {i for i in done if meta.encode_chunk_key((i, 0)[: len(meta.shape)]) in present}
-        return done
+        return [f"index.zarr/{name}/{key}" for name in ("features", "self_influence") if name in group for key in storage.chunk_keys(group[name], 0, index)]
 
     def score(self, worker: Any, index: int) -> None:
         """Index chunk `index`: its rows' features and self-influences, written in place."""
@@ -149,11 +149,11 @@ def _create(job: IndexJob, dim: int, dtype: torch.dtype, with_self_influence: bo
     name = str(dtype).removeprefix("torch.")
     if "features" in group and group["features"].shape == (job.stage.data.n_train, dim) and str(group["features"].dtype) == name and ("self_influence" in group) == with_self_influence:
         return
-    # uncompressed: gradient rows are dense floats; every chunk written (no scan for chunks equal to the fill value)
-    kwargs: dict[str, Any] = {"dtype": name, "compressors": None, "config": {"write_empty_chunks": True}, "overwrite": True}
-    group.create_array("features", shape=(job.stage.data.n_train, dim), chunks=(job.rows, dim), fill_value=np.nan, dimension_names=("train", "feature"), **kwargs)
+    # uncompressed: gradient rows are dense floats
+    kwargs: dict[str, Any] = {"dtype": name, "compressors": None, "overwrite": True}
+    storage.create_array(group, "features", shape=(job.stage.data.n_train, dim), chunks=(job.rows, dim), fill_value=np.nan, dimension_names=("train", "feature"), **kwargs)
     if with_self_influence:
-        group.create_array("self_influence", shape=(job.stage.data.n_train,), chunks=(job.rows,), fill_value=np.nan, dimension_names=("train",), **{**kwargs, "dtype": str(exact_dtype).removeprefix("torch.")})
+        storage.create_array(group, "self_influence", shape=(job.stage.data.n_train,), chunks=(job.rows,), fill_value=np.nan, dimension_names=("train",), **{**kwargs, "dtype": str(exact_dtype).removeprefix("torch.")})
     storage.remove(job.path("done"), job.options)
 
 
@@ -199,7 +199,7 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
     layout = plan_layout(stage, im)
     if isinstance(layout, str):
         skipped = {"compression": "skipped", "skipped": f"{layout}: scoring recomputes the training gradients; set a method.projection, a smaller compute.index_side, or raise compute.index_budget_gb"}
-        storage.write_json(loc.path("skipped.json"), skipped, stage.store.options)  # the decision, kept as the stage's output
+        integrity.write_checked(loc.path("skipped.json"), json.dumps(skipped).encode(), stage.store.options)  # the decision, kept as the stage's output
         return {"url": loc.path("skipped.json"), "fingerprint": loc.key, "shape": (n_train, im.factor_dim), "dtype": str(im.objective.space.dtype).removeprefix("torch."), "bytes_per_row": 0, **skipped}
     job = IndexJob(stage, index_chunk_rows(n_train, layout.row_bytes, stage.compute.train_chunk_rows), layout.side)
     work = Work()

@@ -108,13 +108,10 @@ class MagicJob(ChunkJob):
     def open(self) -> MagicWorker:
         return MagicWorker(self)
 
-    def written(self) -> set[int]:
-        """Blocks whose every chunk of the scores is in the store."""
-        url = storage.join(self.influence_url, "scores")
-        present = storage.file_sizes(url, self.options)
-        meta = storage.open_array(url, self.options).metadata
-        columns = math.ceil(meta.shape[1] / meta.chunk_grid.chunk_shape[1])
-        return {i for i in range(self.stage.n_blocks) if all(meta.encode_chunk_key((i, j)) in present for j in range(columns))}
+    def objects(self, index: int) -> list[str]:
+        """The scores' chunks of query block `index` (its row of chunks)."""
+        scores = storage.open_array(storage.join(self.influence_url, "scores"), self.options)
+        return [f"scores/{key}" for key in storage.chunk_keys(scores, 0, index)]
 
     @property
     def task_threads(self) -> int:
@@ -151,7 +148,7 @@ def _prepare_scores(job: MagicJob) -> zarr.Group:
         stage = job.stage
         columns = min(stage.data.n_train, max(1, INNER_CHUNK_BYTES // (4 * stage.rows)))
         shape = (stage.data.n_test, stage.data.n_train)
-        group.create_array("scores", shape=shape, chunks=(stage.rows, columns), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["scores"])
+        storage.create_array(group, "scores", shape=shape, chunks=(stage.rows, columns), dtype="float32", fill_value=np.nan, overwrite=True, attributes={"job": job.key}, dimension_names=DIMENSIONS["scores"])
     if "self_influence" in group:
         del group["self_influence"]  # another configuration's: never beside these scores
     return group

@@ -24,8 +24,8 @@ class PrepareInput(StageInput[DataRef]):
 
     def plan(self) -> StageCall[DataRef]:
         config = self.spec.key_config()
-        if isinstance(self.spec, FILE_SOURCES):  # replaced files must not hit the cache of the old ones
-            config["path_stat"] = storage.stat_token(storage.validate_url(self.spec.path or "", "dataset.path"), self.store.options)
+        if isinstance(self.spec, FILE_SOURCES):  # keyed by the files' content: replaced files never hit the cache of the old ones
+            config["path_content"] = storage.content_token(storage.validate_url(self.spec.path or "", "dataset.path"), self.store.options)
         return StageCall("prepare_data", DataRef, config, {}, self.store)
 
 

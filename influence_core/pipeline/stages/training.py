@@ -7,11 +7,10 @@ from typing import Any
 
 import torch
 
-from ..store import storage
 from ... import examples
 from ...errors import ConfigError
 from ...objective import Objective
-from ..model.models import build_model, checkpoint_stamp, check_model_fits, evaluate, load_into, load_state, state_bytes, train
+from ..model.models import build_model, checkpoint_content, check_model_fits, evaluate, load_into, load_state, save_stored, state_bytes, train
 from ..store.refs import DataRef, ModelRef
 from ..specs import CandidatesSpec, ModelSpec, TrainingSpec
 from ..store.loading import load_model, open_data
@@ -49,7 +48,7 @@ class TrainingInput(StageInput[ModelRef]):
     def plan(self) -> StageCall[ModelRef]:
         config: dict[str, Any] = {"model": self.spec.hashed_dump()}
         if self.spec.checkpoint:
-            config["checkpoint_stat"] = checkpoint_stamp(self.spec.checkpoint, self.store.options)
+            config["checkpoint_content"] = checkpoint_content(self.spec.checkpoint, self.store.options)
         else:
             config["training"] = self.training.key_config()
         return StageCall("fit_model", ModelRef, config, {"train": self.data.training}, self.store, self.threads)
@@ -70,7 +69,7 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         metrics = evaluate(model, task, arrays["x_train"], arrays["y_train"], "train")  # the queries' are each run's: query_metrics
     raw = state_bytes(model)
     url = loc.path("model.pt")
-    storage.write_bytes(url, raw, store.options)
+    save_stored(url, raw, store.options)
     first = next(model.parameters())
     objective = Objective(model, spec.make_task())
     with torch.no_grad():

@@ -10,17 +10,19 @@ over each subset against those measurements (influence_core.lds).
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
-from ..store import storage
+from ..store import integrity, storage
 from ... import examples
 from ...errors import ConfigError
 from ...lds import change_slope, linear_datamodeling_score
-from ..model.models import build_model, load_into, load_state, state_bytes, train
+from ..model.models import build_model, load_into, load_stored, save_stored, state_bytes, train
 from ...objective import Objective
 from ..store.refs import DataRef, ModelRef, StageRef, ValidationRef
 from ..specs import ComputeSpec, ModelSpec, TrainingSpec, ValidationSpec
@@ -82,8 +84,8 @@ def retrained_model(job: ValidationJob, index: int, arrays: dict[str, Any]) -> t
         torch.manual_seed(job.training.seed)  # initialised from the seed, as the run's model was
         model = build_model(job.model, job.data, job.device)
         try:
-            return load_into(model, load_state(job.model_url(index), job.options, field="validation", device=job.device)), False
-        except ConfigError:  # not stored yet, or cut short by a crash
+            return load_into(model, load_stored(job.model_url(index), job.options, field="validate", device=job.device)), False
+        except (FileNotFoundError, ConfigError):  # not stored yet, or cut short by a crash, or damaged
             pass
         mask = subset_mask(job.spec, index, job.data.n_train)
         if job.spec.counterfactual == "weights":  # every batch of the full run, the removed rows weighted 0
@@ -91,7 +93,7 @@ def retrained_model(job: ValidationJob, index: int, arrays: dict[str, Any]) -> t
         else:
             x, y = examples.map_inputs(arrays["x_train"], lambda a: np.asarray(a[...])[mask]), np.asarray(arrays["y_train"][...])[mask]
             train(model, job.model, job.training, x, y)
-    storage.write_bytes(job.model_url(index), state_bytes(model), job.options)
+    save_stored(job.model_url(index), state_bytes(model), job.options)
     return model, True
 
 
@@ -102,7 +104,7 @@ def measure_subset(job: ValidationJob, index: int) -> tuple[list[float], bool]:
     with torch_threads(job.threads):
         model, trained = retrained_model(job, index, arrays)
         values = measure(job, model, arrays)
-    storage.write_json(job.subset_url(index), {"index": index, "measured": values}, job.options)
+    integrity.write_checked(job.subset_url(index), json.dumps({"index": index, "measured": values}).encode(), job.options)
     return values, trained
 
 
@@ -120,8 +122,9 @@ def measure(job: ValidationJob, model: torch.nn.Module, arrays: dict[str, Any]) 
 def _stored(job: ValidationJob, index: int) -> list[float] | None:
     """A finished subset's measurements; None when absent or damaged (it is retrained)."""
     try:
-        values = storage.read_json(job.subset_url(index), job.options)["measured"]
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        stored = json.loads(integrity.read_checked(job.subset_url(index), job.options, "validate", ""))
+        values = stored["measured"] if stored["index"] == index else None
+    except (FileNotFoundError, ValueError, KeyError, TypeError):  # DamagedError is a ValueError
         return None
     return values if isinstance(values, list) and len(values) == job.queries else None
 
@@ -159,7 +162,7 @@ def _validate(job: ValidationJob, model: ModelRef, scores: StageRef, store: RunS
     slope, pearson = change_slope(score_rows, masks, table, full)
     url = loc.path("validation.json")
     result = {"lds_mean": _finite(lds.mean), "lds_stderr": _finite(lds.stderr), "lds_per_query": [_finite(v) for v in lds.per_query], "slope": _finite(slope), "pearson": _finite(pearson)}
-    storage.write_json(url, {**result, "measured": table.tolist()}, store.options)
+    integrity.write_checked(url, json.dumps({**result, "measured": table.tolist()}, indent=2).encode(), store.options)
     return {
         "url": url, "fingerprint": loc.key, "shape": (job.queries,), "dtype": "float64", **result,
         "subsets": job.spec.subsets, "subsets_computed": len(pending), "fraction": job.spec.fraction, "queries": job.queries,

@@ -10,14 +10,14 @@ import torch
 import zarr
 from torch import nn
 
-from . import storage
+from . import integrity, storage
 from ... import examples
 from ...batches import ArrayBatches, Batches, TensorBatches
 from ...errors import ConfigError
 from ...contraction import Rows, stream_rows
 from ...index_projection import IndexProjection
 from ...methods import InfluenceFunctionModel, KfacInfluence
-from ..model.models import load_into, load_state
+from ..model.models import load_into, load_stored, save_stored
 from .refs import DataRef, ModelRef, StageRef
 from ..specs import MethodSpec, ModelSpec
 
@@ -72,11 +72,11 @@ def build_module(model: ModelRef, device: str = "cpu") -> nn.Module:
 
 def load_model(model: ModelRef, options: dict[str, Any], device: str = "cpu") -> nn.Module:
     """The trained module on `device`: rebuilt from its spec, weights read with weights_only=True."""
-    return load_into(build_module(model, device), load_state(model.url, options, field="model", device=device), field="model")
+    return load_into(build_module(model, device), load_stored(model.url, options, field="fit_model", device=device), field="model")
 
 
 def save_tensors(url: str, tensors: dict[str, Any], options: dict[str, Any]) -> None:
-    """Tensors (and plain values) as one torch.save file; a tensor that views a larger storage is saved as a copy of
+    """Tensors (and plain values) as one torch.save file with its sha256 (read back by `load_stored`); a tensor that views a larger storage is saved as a copy of
     its own numbers, since torch.save writes a view's whole storage (W3's whitening factors, rank-47 rows of a
     1024 x 1025 SVD: 17.8 MB saved for 1.6)."""
     def own(t: Any) -> Any:
@@ -84,7 +84,7 @@ def save_tensors(url: str, tensors: dict[str, Any], options: dict[str, Any]) -> 
 
     buffer = io.BytesIO()
     torch.save({name: own(t) for name, t in tensors.items()}, buffer)
-    storage.write_bytes(url, buffer.getvalue(), options)
+    save_stored(url, buffer.getvalue(), options)
 
 
 def first_training_row(data: DataRef, options: dict[str, Any], device: str = "cpu") -> Any:
@@ -98,7 +98,7 @@ def load_influence_model(
     """The influence model on `device` with its stored curvature state, bound to the stored training data (`train`:
     those batches already open, shared by an ensemble's members)."""
     im = method.build(load_model(model, options, device), ModelSpec.model_validate(model.spec).make_task())
-    state = load_state(preconditioner.url, options, field="preconditioner", device=device)
+    state = load_stored(preconditioner.url, options, field="fit_preconditioner", device=device)
     return im.load_state_dict(state, train=train if train is not None else train_batches(data, options, method.batch_size))
 
 
@@ -128,11 +128,20 @@ def index_projection(im: InfluenceFunctionModel, data: DataRef, options: dict[st
     return IndexProjection.for_model(im, x, y, side, whitening=kept)
 
 
+def intact_file(url: str, options: dict[str, Any]) -> bool:
+    """Whether a file the pipeline wrote is there and reads back as written (its bytes match their sha256)."""
+    try:
+        integrity.read_checked(url, options, "", "")
+    except (FileNotFoundError, integrity.DamagedError):
+        return False
+    return True
+
+
 def keep_whitening(projection: IndexProjection, url: str, options: dict[str, Any]) -> bool:
     """Store a whitened projection's factors (every damped cut's truncated SVD) at `url`, unless factors that load are
     there already (a resumed index's): the index's workers and every later query load them instead of factoring
     D^(-1/2) again. Whether they were written now."""
-    if not projection.damped or _loads(url, options):
+    if not projection.damped or intact_file(url, options):
         return False
     save_tensors(url, {f"{name}/{side}": factor for name, pair in projection.all_whitening().items() for side, factor in zip(("left", "right"), pair)}, options)
     return True
@@ -142,15 +151,6 @@ def _whitening_state(url: str, options: dict[str, Any]) -> dict[str, torch.Tenso
     """The factors an index keeps; refused in one line, saying how to rebuild the index, when they do not load (a
     file overwritten at its size, which the stage's inventory cannot tell)."""
     try:
-        return load_state(url, options, field="index_training")
-    except ConfigError as exc:
-        stage_dir = url.rsplit("/", 2)[0]
-        raise ConfigError("index_training", f"the training index's whitening factors at {url} are damaged ({exc.problem})", f"delete {stage_dir} and run again: the index is rebuilt") from None
-
-
-def _loads(url: str, options: dict[str, Any]) -> bool:
-    try:
-        _whitening_state(url, options)
-    except ConfigError:  # absent, cut short or overwritten
-        return False
-    return True
+        return load_stored(url, options, field="index_training")
+    except FileNotFoundError:
+        raise ConfigError("index_training", f"the training index's whitening factors at {url} are missing", "run the pipeline again with the same parameters: the index is rebuilt") from None

@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from . import damage, storage
+from .binding import require_stages
 from ...errors import ConfigError
 from ..score.layout import SCORE_CONVENTION
 from .refs import DataRef, FactorsRef, IndexRef, ModelRef, StageRef, ValidationRef
@@ -168,6 +169,30 @@ def portable_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "output_url": "."} if "output_url" in config else config
 
 
+def recorded_parameters(store: RunStore) -> dict[str, Any]:
+    """The parameters a run recorded, to run it again where it is (`repair`): its output_url this store's, its stage
+    store this store's when it names one (it moved), else the recorded one. Refused in one line when the run
+    recorded none."""
+    try:
+        config = storage.open_group(store.influence_url, store.options, mode="r").attrs.get("config")
+    except (FileNotFoundError, ValueError, KeyError):
+        config = None
+    if not isinstance(config, dict):
+        raise ConfigError("output_url", f"{store.output_url} holds no run whose parameters were recorded", "run the pipeline there with its configuration (`influence-pipeline run --config ...`)")
+    given = store.storage.model_dump(include={"cache_url", "endpoint_url"}, exclude_none=True)
+    storage_spec = {**config.get("storage", {}), **given}
+    return {**config, "output_url": store.output_url, "storage": storage_spec}
+
+
+def with_recorded_cache(store: RunStore, attrs: Any) -> RunStore:
+    """The run's store with the stage store the run recorded (storage.cache_url), unless `store` names one itself
+    (a stage store that moved: `--cache-url`)."""
+    recorded = ((attrs.get("config") or {}).get("storage") or {}).get("cache_url")
+    if store.storage.cache_url or not recorded:
+        return store
+    return store.model_copy(update={"storage": store.storage.model_copy(update={"cache_url": recorded})})
+
+
 def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
     """The stage refs a published run records, resolved against where the output is now."""
     types = {"prepare_data": DataRef, "fit_model": ModelRef, "index_training": IndexRef, "compute_test_factors": FactorsRef}
@@ -193,11 +218,14 @@ def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tupl
     """A finished run's attributes and top-k rows, `n_show` examples each (None: all the run stores); a missing or
     unfinished run, or more examples than it stores (`show --top`), is refused with a ConfigError."""
     attrs = read_attrs(store)
+    store = with_recorded_cache(store, attrs)
+    refs = stored_refs(store, attrs)
+    require_stages(store, refs, ["prepare_data", "aggregate"])
     group = storage.open_group(store.influence_url, store.options, mode="r")
     stored = group["topk_helpful_indices"].shape[1]
     if n_show is not None and n_show > stored:
         raise ConfigError("--top", f"{n_show} is more than the {stored} examples per query the run stores (its top_k)", f"give --top {stored} or less, or run again with aggregate.top_k={n_show}")
-    data = stored_refs(store, attrs)["prepare_data"]
+    data = refs["prepare_data"]
     assert isinstance(data, DataRef)
     decode = task_decode(attrs["config"]["model"])
     return dict(attrs), query_rows(store, open_data(data, store.options), decode, n_queries, stored if n_show is None else n_show)

@@ -26,6 +26,16 @@ class Ref(BaseModel):
         """The same ref with every URL it holds passed through `move` (to make it relative to a root, or resolve it)."""
         return self.model_copy(update={"url": move(self.url)})
 
+    @property
+    def base(self) -> str:
+        """The folder holding the output: its inventory names objects relative to it."""
+        return self.url.rsplit("/", 1)[0]
+
+    @property
+    def identity(self) -> str:
+        """What a stage key hashes of this input: its fingerprint (a content hash, or the key that made it)."""
+        return self.fingerprint
+
 
 class StageRef(Ref):
     """A stage output plus when it was made, by which process, how long that took, and the work it did."""
@@ -37,6 +47,14 @@ class StageRef(Ref):
     work: dict[str, float] = {}  # influence_core.work.Work counters of the computation (empty when it counts none)
     parameters: dict[str, Any] = {}  # fit_preconditioner: the parameters attributed, excluded and frozen (InfluenceFunctionModel.attributed_parameters)
     ran: str = ""  # where its tasks ran: the cluster's kind, or the flow's process (threads, the work's GFLOP, the bound)
+    key: str = ""  # the stage key that made it: its manifest is {cache_url}/{stage}/{key}/manifest.json
+    digest: str = ""  # the content digest of its objects (`integrity.content_digest` of its manifest's inventory)
+
+    @property
+    def identity(self) -> str:
+        """Fingerprint and content digest: a stage over this output is keyed on what the output holds, so a
+        recomputed output with other bytes (a nondeterministic fit) never meets a stage made from the old one."""
+        return f"{self.fingerprint}:{self.digest}"
 
 
 WHITENING_FILE = "whitening.pt"  # in a whitened compressed index's group: in its inventory, so a damaged one is found

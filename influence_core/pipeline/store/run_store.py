@@ -12,6 +12,7 @@ from . import storage
 from ...errors import ConfigError
 from ..specs import StorageSpec
 
+CACHE_PREFIX = "{cache}/"  # a recorded URL inside a separate stage store (storage.cache_url), relative to its root
 UNWRITABLE = {errno.ENOSPC: "full", errno.EDQUOT: "over its quota", errno.EROFS: "read-only", errno.EACCES: "not writable", errno.EPERM: "not writable"}
 
 
@@ -44,12 +45,19 @@ class RunStore(BaseModel):
         return storage.join(self.output_url, name)
 
     def relative(self, url: str) -> str:
-        """`url` relative to the output's root when it lies inside it (so the output can be moved or copied), else as is."""
-        root = self.output_url.rstrip("/") + "/"
-        return url.removeprefix(root) if url.startswith(root) else url
+        """`url` as recorded in manifests and a run's attributes: relative to the output's root when it lies inside it
+        (so the output can be moved or copied), else relative to a separate stage store as `{cache}/...` (so the
+        stage store can be moved: pointed at its new place, every manifest still finds its outputs), else as is."""
+        for root, prefix in ((self.output_url, ""), (self.cache_url, CACHE_PREFIX)):
+            if url.startswith(root.rstrip("/") + "/"):
+                return prefix + url[len(root.rstrip("/")) + 1 :]
+        return url
 
     def resolve(self, url: str) -> str:
-        """The inverse of `relative`: a relative URL is taken from the output's root; an absolute one stays."""
+        """The inverse of `relative`: `{cache}/...` is taken from the stage store, another relative URL from the
+        output's root; an absolute one stays."""
+        if url.startswith(CACHE_PREFIX):
+            return storage.join(self.cache_url, url.removeprefix(CACHE_PREFIX))
         return url if storage.is_absolute(url) else storage.join(self.output_url, url)
 
     def check(self) -> None:

@@ -1,10 +1,12 @@
 """Stage bookkeeping: deterministic keys, output locations, and manifests written last as completion marks.
 
-A stage's key hashes its input fingerprints, its own config and the code version. Its outputs live under
-`{cache_url}/{stage}/{key}`, beside `manifest.json`, which records the arguments (as Kronfluence does) and an
-inventory of the output, and is written only after every output is in place. A stage is complete exactly when its
-manifest is there and its output is still what the manifest recorded: the same fingerprint, and none of its
-objects gone or cut short (a deleted shard, a truncated file), so damage is recomputed, never served.
+A stage's key hashes its inputs' fingerprints and content digests, its own config and the code version. Its
+outputs live under `{cache_url}/{stage}/{key}`, beside `manifest.json`, which records the arguments (as Kronfluence
+does), the inputs, and an inventory of the output's objects with their sha256 (`integrity.py`), and is written only
+after every output is in place. A stage is complete exactly when its manifest is there and its output is still
+what the manifest recorded, object by object, so damage (a deleted or truncated chunk, a chunk overwritten with
+other bytes of its size, a swapped model) is recomputed, never served; a manifest found stale is removed before the
+stage computes again, so no reader takes a stage being repaired for complete.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import zarr
 
-from . import damage, storage
+from . import damage, integrity, storage
 from .refs import Ref, StageRef
 from ..runtime.threads import torch_threads
 from ...version import CODE_VERSION
@@ -38,19 +40,21 @@ def producer() -> str:
 
 
 def stage_key(stage: str, config: dict[str, Any], inputs: dict[str, Ref]) -> str:
-    """Hash of stage name, code version, config and the input refs' fingerprints."""
+    """Hash of stage name, code version, config and the input refs' identities: their fingerprints and, for stage
+    outputs, the digest of their content, so a stage is never reused over inputs other than those it was made from."""
     payload = {
         "stage": stage,
         "code": CODE_VERSION,
         "config": config,
-        "inputs": {name: ref.fingerprint for name, ref in sorted(inputs.items())},
+        "inputs": {name: ref.identity for name, ref in sorted(inputs.items())},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 class StageLocation:
-    """The directory of one stage run, and its manifest. The manifest records URLs relative to the output's root
-    (`RunStore.relative`), so an output that is moved or copied elsewhere still finds its stages complete."""
+    """The directory of one stage run, and its manifest. The manifest records URLs relative to the output's root or
+    to the stage store's (`RunStore.relative`), and its inventory records each object relative to the output's
+    folder, so an output or a stage store that is moved or copied elsewhere is still found complete."""
 
     def __init__(self, store: RunStore, stage: str, key: str) -> None:
         self.store, self.stage, self.key, self.options = store, stage, key, store.options
@@ -63,19 +67,45 @@ class StageLocation:
     def manifest_url(self) -> str:
         return self.path("manifest.json")
 
-    def read(self, ref_type: type[R]) -> R | None:
-        """The recorded output if the stage is complete and its output intact, else None."""
+    def manifest(self) -> dict[str, Any] | None:
+        """The manifest when present and of this stage and key; None when absent, unreadable or another's."""
         try:
             manifest = storage.read_json(self.manifest_url, self.options)
-            ref = ref_type.model_validate(manifest["output"]).moved(self.store.resolve)
-            recorded = {self.store.resolve(url) if ".zarr" in ref.url else url: entry for url, entry in manifest["inventory"].items()}
-        except (FileNotFoundError, ValueError, KeyError, TypeError):  # absent, damaged, or being written by a concurrent run
+        except (FileNotFoundError, ValueError):
             return None
-        return ref if output_intact(ref, recorded, self.options) else None
+        return manifest if isinstance(manifest, dict) and manifest.get("key") == self.key and manifest.get("stage") == self.stage else None
 
-    def write(self, ref: StageRef, arguments: dict[str, Any], inputs: dict[str, Ref]) -> None:
+    def read(self, ref_type: type[R], deep: bool = False) -> R | None:
+        """The recorded output if the stage is complete and every object of its output is what the manifest recorded
+        (`integrity.problems`; `deep`: every byte hashed again), else None."""
+        found = self.check(ref_type, deep)
+        return found if isinstance(found, Ref) else None
+
+    def check(self, ref_type: type[R], deep: bool = False) -> R | list[str]:
+        """The recorded output, or what is wrong with it (no manifest, or the objects that do not match)."""
+        manifest = self.manifest()
+        if manifest is None:
+            return [f"has no manifest at {self.manifest_url} (never finished, being recomputed, or damaged)"]
+        try:
+            ref = ref_type.model_validate(manifest["output"]).moved(self.store.resolve)
+            recorded = manifest["inventory"]
+            consistent = ref.digest == integrity.content_digest(recorded)
+        except (KeyError, TypeError, ValueError, AttributeError):  # an older or damaged manifest
+            consistent = False
+        if not consistent:
+            return [f"manifest {self.manifest_url} does not record the output's content (damaged, or written by an older version)"]
+        wrong = integrity.problems(ref.base, recorded, self.options, deep)
+        return wrong or ref
+
+    def write(self, ref: R, arguments: dict[str, Any], inputs: dict[str, Ref]) -> R:
+        """Record the output's objects (chunk tasks' markers vouch for the chunks they wrote) and write the manifest;
+        the ref comes back with its content digest."""
         relative = self.store.relative
-        recorded = inventory(ref, self.options)
+        roots = _output_roots(ref, self.options)
+        if ".zarr/" in ref.url and ref.base.startswith(self.url + "/"):  # an array in a group of the stage's own: its metadata too
+            roots.append(damage.METADATA)
+        recorded = integrity.record_listed(ref.base, roots, self.options, self.vouched())
+        ref = ref.model_copy(update={"digest": integrity.content_digest(recorded)})
         manifest = {
             "stage": self.stage,
             "key": self.key,
@@ -83,53 +113,31 @@ class StageLocation:
             "arguments": arguments,
             "inputs": {name: r.moved(relative).model_dump(mode="json") for name, r in inputs.items()},
             "output": ref.moved(relative).model_dump(mode="json"),
-            "inventory": {relative(url) if ".zarr" in ref.url else url: entry for url, entry in recorded.items()},
+            "inventory": recorded,
         }
         storage.write_json(self.manifest_url, manifest, self.options)
+        return ref
+
+    def vouched(self) -> dict[str, integrity.Entry]:
+        """The objects the stage's chunk tasks recorded in their markers (`chunks.py`), relative to the output's folder."""
+        markers = integrity.read_markers([storage.join(self.path(MARKERS), name) for name in storage.list_names(self.path(MARKERS), self.options)], self.options)
+        return {key: entry for marker in markers.values() for key, entry in marker.items()}
 
 
-def _zarr_outputs(ref: Ref, options: dict[str, Any]) -> list[str]:
-    """The Zarr node at ref.url and, when it is an array, the sibling arrays the same stage wrote (same fingerprint)."""
+MARKERS = "done"  # a stage's chunk markers: done/{index}, each the record of the objects its task wrote
+
+
+def _output_roots(ref: Ref, options: dict[str, Any]) -> list[str]:
+    """What an output consists of, relative to its folder: a checked file and its digest, or the Zarr node at
+    ref.url and, when it is an array, the sibling arrays the same stage wrote (same fingerprint)."""
+    name = ref.url.rsplit("/", 1)[-1]
+    if ".zarr" not in ref.url:
+        return integrity.file_keys(name)
     node = zarr.open(store=storage.zarr_store(ref.url, options, read_only=True), mode="r")
     if isinstance(node, zarr.Group):
-        return [ref.url]
-    parent = ref.url.rsplit("/", 1)[0]
-    group = storage.open_group(parent, options, mode="r")
-    return [storage.join(parent, name) for name, array in group.arrays() if array.attrs.get("fingerprint") == ref.fingerprint]
-
-
-def inventory(ref: Ref, options: dict[str, Any]) -> dict[str, Any]:
-    """What a finished output consists of. Zarr: the size of every object of each output node. A file: its size and
-    store stamp (checked cheaply) and its content hash (read only when the stamp changed)."""
-    if ".zarr" in ref.url:
-        return {url: storage.file_sizes(url, options) for url in _zarr_outputs(ref, options)}
-    stamp = storage.file_stamp(ref.url, options)
-    assert stamp is not None, f"{ref.url} was not written"
-    return {"size": stamp[0], "stamp": stamp[1], "sha256": storage.content_hash(ref.url, options)}
-
-
-def output_intact(ref: Ref, recorded: dict[str, Any], options: dict[str, Any]) -> bool:
-    """Zarr outputs must still carry the ref's fingerprint (another run may have overwritten them) and every object
-    they had, at its size; a file must have its size, and its content hash unless its stamp is unchanged."""
-    if ".zarr" not in ref.url:
-        stamp = storage.file_stamp(ref.url, options)
-        if stamp is None or stamp[0] != recorded["size"]:
-            return False
-        return stamp[1] == recorded["stamp"] or storage.content_hash(ref.url, options) == recorded["sha256"]
-    hierarchies = {url[: url.index(".zarr") + len(".zarr")] for url in recorded}  # the whole hierarchy, its group's metadata too
-    if any(damage.damaged_nodes(url, options) for url in hierarchies):  # metadata cut short or overwritten, even at its size
-        return False
-    try:
-        node = zarr.open(store=storage.zarr_store(ref.url, options, read_only=True), mode="r")
-    except (FileNotFoundError, KeyError, ValueError):
-        return False
-    if node.attrs.get("fingerprint") != ref.fingerprint:
-        return False
-    for url, sizes in recorded.items():
-        present = storage.file_sizes(url, options)
-        if any(present.get(key) != size for key, size in sizes.items()):
-            return False
-    return True
+        return [name]
+    group = storage.open_group(ref.base, options, mode="r")
+    return sorted({name} | {sibling for sibling, array in group.arrays() if array.attrs.get("fingerprint") == ref.fingerprint})
 
 
 @dataclass(frozen=True)
@@ -172,13 +180,14 @@ class StageCall(Generic[R]):
         if found is not None:
             return found
         location = self.location
+        if storage.exists(location.manifest_url, self.store.options):  # damaged or stale: until recomputed, no reader takes it as complete
+            storage.remove(location.manifest_url, self.store.options)
         start = time.perf_counter()
         need = f"{storage.megabytes(self.output_bytes)} for {self.stage}'s output" if self.output_bytes else f"room for {self.stage}'s output"
         with self.store.writing(self.stage, need), nullcontext() if self.threads is None else torch_threads(self.threads):
             fields = compute(location)
-        ref = self.ref_type(stage=self.stage, created_at=datetime.now(timezone.utc), seconds=time.perf_counter() - start, producer=producer(), **fields)
-        location.write(ref, self.config, self.inputs)
-        return ref
+        ref = self.ref_type(stage=self.stage, key=self.key, created_at=datetime.now(timezone.utc), seconds=time.perf_counter() - start, producer=producer(), **fields)
+        return location.write(ref, self.config, self.inputs)
 
 
 class StageInput(ABC, Generic[R]):

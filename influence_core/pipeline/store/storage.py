@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import posixpath
 import shutil
@@ -14,6 +15,7 @@ from urllib.parse import urlsplit
 
 import fsspec
 import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import FsspecStore, LocalStore
 
 from ...errors import ConfigError
@@ -69,12 +71,35 @@ def open_group(url: str, options: dict[str, Any], mode: str = "a") -> zarr.Group
     return zarr.open_group(store=zarr_store(url, options, read_only=mode == "r"), mode=mode)
 
 
+CHECKSUM = Crc32cCodec()  # zarr v3's crc32c, last in every stored array's codecs: a damaged chunk fails its read
+
+
+def create_array(group: zarr.Group, name: str, **kwargs: Any) -> zarr.Array:
+    """`group.create_array` with each chunk's bytes checksummed (zarr's crc32c codec after any compressor: a chunk
+    cut short or overwritten with other bytes fails the read that decodes it) and every chunk written, also one
+    equal to the fill value, so a missing chunk object always means damage. `compressors=None` stores the bytes
+    raw (then checksummed); left out, zstd as zarr's default."""
+    compressors = kwargs.pop("compressors", (ZstdCodec(level=0),))
+    kept = [] if compressors is None else list(compressors if isinstance(compressors, (list, tuple)) else [compressors])
+    config = {"write_empty_chunks": True, **kwargs.pop("config", {})}
+    return group.create_array(name, compressors=(*kept, CHECKSUM), config=config, **kwargs)
+
+
 def open_array(url: str, options: dict[str, Any], mode: str = "r") -> zarr.Array:
     parent, name = url.rsplit("/", 1)
     group = open_group(parent, options, mode="r" if mode == "r" else "a")
     node = group[name]
     assert isinstance(node, zarr.Array)
     return node
+
+
+def chunk_keys(array: zarr.Array, axis: int, index: int) -> list[str]:
+    """The store keys (relative to the array's folder) of the chunks (shards, for a sharded array) whose coordinate
+    on `axis` is `index`, every other axis over its whole grid: what one task writes when tasks tile that axis."""
+    meta = array.metadata
+    grid = [range(-(-size // chunk)) for size, chunk in zip(meta.shape, meta.chunk_grid.chunk_shape)]
+    grid[axis] = range(index, index + 1)
+    return [meta.encode_chunk_key(coords) for coords in itertools.product(*grid)]
 
 
 def write_bytes(url: str, data: bytes, options: dict[str, Any]) -> None:
@@ -198,30 +223,29 @@ def _check_endpoint(endpoint: str) -> None:
 
 
 def _stamp(info: dict[str, Any]) -> str:
-    """What changes when an object is replaced: its ETag on S3, its modification time on a local disk."""
-    return str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created"))
+    """What changes when an object is rewritten: its ETag on S3; on a local disk its modification and change times
+    and inode (the change time moves even when a copy keeps the old modification time: `cp -p`, `rsync -t`)."""
+    if info.get("ETag") or info.get("LastModified"):
+        return str(info.get("ETag") or info.get("LastModified"))
+    return f"{info.get('mtime')}:{info.get('created')}:{info.get('ino')}"
 
 
-def stat_token(url: str, options: dict[str, Any]) -> str:
-    """A digest of the size and ETag or modification time of the file, or of every file under the directory:
-    it changes when the content is replaced, without reading the content."""
+def object_stats(url: str, options: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """Size and stamp of every object under a directory or prefix, by path relative to it (one listing), or of the
+    file itself under the key ""; empty when absent."""
     fs, path = filesystem(url, options)
-    entries = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
-    digest = hashlib.sha256()
-    for name, info in sorted(entries.items()):
-        digest.update(f"{name}:{info.get('size')}:{_stamp(info)}".encode())
-    return digest.hexdigest()[:24]
+    root = path.rstrip("/")
+    try:
+        found = fs.find(root, detail=True)
+    except FileNotFoundError:
+        return {}
+    if not found and fs.isfile(root):
+        found = {root: fs.info(root)}
+    return {name[len(root) :].lstrip("/"): (int(info["size"]), _stamp(info)) for name, info in found.items() if name == root or name.startswith(root + "/")}
 
 
-def file_sizes(url: str, options: dict[str, Any]) -> dict[str, int]:
-    """Size of every file under a directory or prefix, by path relative to it (one listing); empty when absent."""
-    fs, path = filesystem(url, options)
-    root = path.rstrip("/") + "/"
-    return {name.removeprefix(root): int(info["size"]) for name, info in fs.find(path, detail=True).items() if name.startswith(root)}
-
-
-def file_stamp(url: str, options: dict[str, Any]) -> tuple[int, str] | None:
-    """Size and stamp of one file, without reading it; None when it is gone."""
+def object_stat(url: str, options: dict[str, Any]) -> tuple[int, str] | None:
+    """Size and stamp of one object, without reading it; None when it is gone."""
     fs, path = filesystem(url, options)
     try:
         info = fs.info(path)
@@ -230,5 +254,31 @@ def file_stamp(url: str, options: dict[str, Any]) -> tuple[int, str] | None:
     return int(info["size"]), _stamp(info)
 
 
-def content_hash(url: str, options: dict[str, Any]) -> str:
-    return hashlib.sha256(read_bytes(url, options)).hexdigest()
+HASH_BLOCK = 8 * 2**20  # bytes read per step when hashing a file: memory stays flat for any file size
+
+
+def content_token(url: str, options: dict[str, Any]) -> str:
+    """A digest of the content of the file, or of every file under the directory, with their relative names: S3
+    objects by their ETag and version (the store's own content digest, nothing downloaded), local files by a
+    streamed sha256 of their bytes. A file replaced by other bytes of the same size and modification time (`cp -p`,
+    `rsync -t`, an archive with fixed stamps) changes it."""
+    fs, path = filesystem(url, options)
+    entries = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
+    digest = hashlib.sha256()
+    for name, info in sorted(entries.items()):
+        relative = name[len(path) :].lstrip("/")
+        if is_remote(url):
+            token = f"{info.get('ETag')}:{info.get('VersionId') or ''}:{info.get('size')}"
+        else:
+            token = file_sha256(name, fs)
+        digest.update(f"{relative}\0{token}\0".encode())
+    return digest.hexdigest()[:24]
+
+
+def file_sha256(path: str, fs: fsspec.AbstractFileSystem) -> str:
+    """sha256 of one file's bytes, read in HASH_BLOCK steps."""
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as handle:
+        while block := handle.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
