@@ -82,20 +82,57 @@ def parse_parameters(config: dict[str, Any]) -> RunParameters:
 
 
 def load_config(path: Path) -> dict[str, Any]:
-    """The YAML mapping at `path`; a missing file or invalid YAML is an invalid parameter (exit 2)."""
+    """The YAML mapping at `path`; a missing, binary or empty file, invalid YAML, a key given twice or anything but
+    a mapping is an invalid parameter (exit 2)."""
     import yaml
 
     if not path.is_file():
         raise fail([f"--config: {str(path)!r} is not a file. Fix: give the path of a YAML file of RunParameters (see configs/)"], 2)
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail([f"--config: {str(path)!r} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start:exc.start + 1]!r}: a binary file?). Fix: give the path of a YAML file of RunParameters (see configs/)"], 2) from None
+    try:
+        loaded = parse_yaml(text)
+    except DuplicateKey as exc:
+        raise fail([f"--config: {str(path)!r} gives {exc.key!r} twice in one mapping (lines {exc.first} and {exc.second}); YAML would silently keep the last. Fix: keep one {exc.key!r} there, with everything it should hold"], 2) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         raise fail([f"--config: {str(path)!r} is not valid YAML{at} ({getattr(exc, 'problem', None) or exc}). Fix: correct the YAML syntax there"], 2) from None
     if not isinstance(loaded, dict):
-        raise fail([f"--config: {str(path)!r} holds a {type(loaded).__name__}, not a mapping. Fix: write RunParameters fields as `key: value` lines"], 2)
+        held = "nothing (it is empty or only comments)" if loaded is None else f"a {type(loaded).__name__}"
+        raise fail([f"--config: {str(path)!r} holds {held}, not a mapping. Fix: write RunParameters fields as `key: value` lines (see configs/)"], 2)
     return loaded
+
+
+class DuplicateKey(ValueError):
+    """A key given twice in one YAML mapping: where both are (1-based lines)."""
+
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(f"{key!r} is given twice (lines {first} and {second})")
+        self.key, self.first, self.second = key, first, second
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML as `yaml.safe_load` reads it, except that a key given twice in one mapping (a field or a whole section)
+    raises DuplicateKey instead of the last one silently winning."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1  # type: ignore[no-untyped-call]
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: SafeLoader's own error names it
+                    continue
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def print_table(rows: list[QueryRow], title: str) -> None:

@@ -428,6 +428,28 @@ def test_config_that_is_not_a_mapping(tmp_path: Path) -> None:
     assert_refused(runner.invoke(app, ["run", "--config", str(path)]), 2, "--config", "list, not a mapping")
 
 
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", ("is not UTF-8 text (byte 0 is b'\\x89': a binary file?)",)),
+        (b"", ("holds nothing (it is empty or only comments), not a mapping",)),
+        (b"# output_url: runs/x\n", ("holds nothing (it is empty or only comments), not a mapping",)),
+        (b"method:\n  name: cg\naggregate:\n  top_k: 3\nmethod:\n  name: direct\n", ("gives 'method' twice in one mapping (lines 1 and 5)", "Fix: keep one 'method' there")),
+        (b"method:\n  name: cg\n  name: direct\n", ("gives 'name' twice in one mapping (lines 2 and 3)", "Fix: keep one 'name' there")),
+    ],
+    ids=["binary", "empty", "only-comments", "section-twice", "field-twice"],
+)
+def test_a_config_file_that_is_not_one_mapping_is_refused_before_any_run(content: bytes, words: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52, item 14: a binary file (UnicodeDecodeError before), an empty one (it ran the defaults into ./runs/demo)
+    and a key or section given twice (the last one silently won) are each one line naming --config, exit 2, and no
+    flow run starts (nothing is written where the defaults would write)."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    assert_refused(runner.invoke(app, ["run", "--config", str(path)]), 2, "--config", "'" + str(path) + "'", *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
 def test_unsupported_output_scheme(tmp_path: Path) -> None:
     result = invoke(small_params(str(tmp_path)).model_dump(mode="json") | {"output_url": "gs://bucket/run"}, tmp_path)
     assert_refused(result, 2, "output_url", "unsupported scheme 'gs'", "s3://bucket/prefix")
