@@ -7,7 +7,6 @@ the input (none for a preflight failure), and no stage from that one on has writ
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import socket
@@ -35,7 +34,7 @@ from flows.influence_run import influence_run
 from flows.parameters import RunParameters
 from influence_core import ConfigError
 from influence_core.pipeline.store import storage
-from tests.helpers import small_params
+from tests.helpers import small_params, tree_hashes
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 runner = CliRunner()
@@ -43,10 +42,6 @@ STAGES = ["prepare_data", "fit_model", "fit_preconditioner", "index_training", "
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def tree_hashes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def manifests(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.glob("stages/*/*/manifest.json")}
 
