@@ -83,20 +83,57 @@ def parse_parameters(config: dict[str, Any]) -> RunParameters:
 
 
 def load_config(path: Path) -> dict[str, Any]:
-    """The YAML mapping at `path`; a missing file or invalid YAML is an invalid parameter (exit 2)."""
+    """The YAML mapping at `path`; a missing, binary or empty file, invalid YAML, a key given twice or anything but
+    a mapping is an invalid parameter (exit 2)."""
     import yaml
 
     if not path.is_file():
         raise fail([f"--config: {str(path)!r} is not a file. Fix: give the path of a YAML file of RunParameters (see configs/)"], 2)
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail([f"--config: {str(path)!r} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start:exc.start + 1]!r}: a binary file?). Fix: give the path of a YAML file of RunParameters (see configs/)"], 2) from None
+    try:
+        loaded = parse_yaml(text)
+    except DuplicateKey as exc:
+        raise fail([f"--config: {str(path)!r} gives {exc.key!r} twice in one mapping (lines {exc.first} and {exc.second}); YAML would silently keep the last. Fix: keep one {exc.key!r} there, with everything it should hold"], 2) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         raise fail([f"--config: {str(path)!r} is not valid YAML{at} ({getattr(exc, 'problem', None) or exc}). Fix: correct the YAML syntax there"], 2) from None
     if not isinstance(loaded, dict):
-        raise fail([f"--config: {str(path)!r} holds a {type(loaded).__name__}, not a mapping. Fix: write RunParameters fields as `key: value` lines"], 2)
+        held = "nothing (it is empty or only comments)" if loaded is None else f"a {type(loaded).__name__}"
+        raise fail([f"--config: {str(path)!r} holds {held}, not a mapping. Fix: write RunParameters fields as `key: value` lines (see configs/)"], 2)
     return loaded
+
+
+class DuplicateKey(ValueError):
+    """A key given twice in one YAML mapping: where both are (1-based lines)."""
+
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(f"{key!r} is given twice (lines {first} and {second})")
+        self.key, self.first, self.second = key, first, second
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML as `yaml.safe_load` reads it, except that a key given twice in one mapping (a field or a whole section)
+    raises DuplicateKey instead of the last one silently winning."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1  # type: ignore[no-untyped-call]
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: SafeLoader's own error names it
+                    continue
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def print_table(rows: list[QueryRow], title: str) -> None:
@@ -217,18 +254,23 @@ def show(
 ) -> None:
     """Print the top-k table of a finished run (with --tokens, its passages highlighted token by token)."""
     from influence_core.errors import ConfigError
-    from influence_core.pipeline.store.publish import read_run
+    from influence_core.pipeline.score.query import read_answer
+    from influence_core.pipeline.store.publish import is_answer, read_run
 
-    store = open_store(output_url, endpoint_url, cache_url)
+    store = open_store(output_url, endpoint_url, cache_url=cache_url)
+    answered = is_answer(store)
     try:
-        attrs, rows = read_run(store, queries, top)
+        attrs, rows = read_answer(store, queries, top) if answered else read_run(store, queries, top)
     except ConfigError as exc:
         raise fail([str(exc)], 1) from None
-    method = attrs.get("config", {}).get("method", {}).get("name", "?")
+    method = attrs.get("method") if answered else attrs.get("config", {}).get("method", {}).get("name", "?")
     if tokens and not any(n.tokens for row in rows for n in row.helpful + row.harmful):
-        raise fail(["--tokens: the run stored no per-token scores. Fix: run it again with aggregate.token_scores: true"], 1)
+        again = f"show the run it asked, {attrs.get('run')} (a run stores them with aggregate.token_scores: true)" if answered else "run it again with aggregate.token_scores: true"
+        raise fail([f"--tokens: the {'answer' if answered else 'run'} stored no per-token scores. Fix: {again}"], 1)
     if tokens:
         print_tokens(rows)
+    elif answered:
+        print_table(rows, f"{store.output_url}: answer from {attrs.get('run')}'s index (method={method}), top training examples per query")
     else:
         print_table(rows, f"{store.output_url}: method={method}, top training examples per query")
     validation = attrs.get("refs", {}).get("validate")
@@ -240,10 +282,10 @@ def show(
 
 @app.command()
 def query(
-    run: Annotated[str, typer.Argument(help="Output URL of a finished run whose training index answers the question.")],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="Output URL of a finished run whose training index answers the question.")],
     queries: Annotated[str, typer.Option(help="An .npz file of the queries: x_test and y_test (or x and y).")],
     top: Annotated[int, typer.Option(min=1, help="Most helpful and most harmful training examples per query.")] = 5,
-    output_url: Annotated[Optional[str], typer.Option(help="Where to write the answer (a Zarr group of the top-k arrays); nothing is written when empty.")] = None,
+    output_url: Annotated[Optional[str], typer.Option(help="Where to write the answer (a Zarr group of the top-k arrays, kind: answer): a new location or an earlier answer, never a run; nothing is written when empty.")] = None,
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3 endpoint for non-AWS stores; credentials come from the environment.")] = None,
     search: Annotated[str, typer.Option(help="scan: score every index row (exact); faiss: candidates from a FAISS inner-product index over the rows, built once and kept beside the index.")] = "scan",
     faiss_index: Annotated[str, typer.Option(help="With --search faiss: flat (exact), ivf or hnsw (approximate); auto: flat up to 100,000 rows, ivf above.")] = "auto",
@@ -258,10 +300,11 @@ def query(
     from influence_core.pipeline.score.query import ask
 
     how = search_spec(search, faiss_index, nprobe)
-    store = open_store(run, endpoint_url, cache_url)
+    store = open_store(run, endpoint_url, "run", cache_url)
+    output = open_store(output_url, endpoint_url, "--output-url") if output_url else None
     start = time.perf_counter()
     try:
-        found, rows, method = ask(store, queries, top, open_store(output_url, endpoint_url) if output_url else None, how)
+        found, rows, method = ask(store, queries, top, output, how)
     except ConfigError as exc:
         raise fail([str(exc)], 1) from None
     print_table(rows, f"{store.output_url}: method={method}, new queries against its training index")
@@ -309,7 +352,7 @@ def repair(
     from influence_core.pipeline.store.publish import recorded_parameters
 
     try:
-        config = recorded_parameters(open_store(output_url, endpoint_url, cache_url))
+        config = recorded_parameters(open_store(output_url, endpoint_url, cache_url=cache_url))
     except ConfigError as exc:
         raise fail([str(exc)], 1) from None
     execute(parse_parameters(config))
@@ -322,11 +365,13 @@ def verify(
     cache_url: CacheUrl = None,
 ) -> None:
     """Check a run: complete, every array of the output layout with its shape, aggregates equal to the scores', every
-    stage's stored bytes as recorded. Exit 1 on any failure."""
-    from influence_core.pipeline.report.verify import verify_run
+    stage's stored bytes as recorded (an answer of `query`: its own layout and the run it names). Exit 1 on any failure."""
+    from influence_core.pipeline.report.verify import verify_answer, verify_run
+    from influence_core.pipeline.store.publish import is_answer
 
-    store = open_store(output_url, endpoint_url, cache_url)
-    checks = verify_run(store)
+    store = open_store(output_url, endpoint_url, cache_url=cache_url)
+    answered = is_answer(store)
+    checks = verify_answer(store) if answered else verify_run(store)
     table = Table(title=f"verify {store.output_url}")
     for column in ("check", "result", "detail"):
         table.add_column(column)
@@ -334,14 +379,16 @@ def verify(
         table.add_row(check.name, "[green]ok[/green]" if check.ok else "[red]FAIL[/red]", Text(check.detail))  # details hold brackets: no markup
     console.print(table)
     failed = [check.name for check in checks if not check.ok]
+    again = "ask the question again with --output-url there (influence-pipeline query RUN --queries FILE)" if answered else "run the pipeline there again with the same parameters"
     if failed:
-        raise fail([f"output_url: {len(failed)} of {len(checks)} checks failed: {', '.join(failed)}. Fix: run the pipeline there again with the same parameters"], 1)
+        raise fail([f"output_url: {len(failed)} of {len(checks)} checks failed: {', '.join(failed)}. Fix: {again}"], 1)
     console.print(f"All {len(checks)} checks passed.")
 
 
-def open_store(output_url: str, endpoint_url: str | None, cache_url: str | None = None) -> RunStore:
-    """The run's location for show, query and verify (its stage store `cache_url` when given: one that moved); a
-    bad URL is an invalid parameter (exit 2)."""
+def open_store(output_url: str, endpoint_url: str | None, name: str = "output_url", cache_url: str | None = None) -> RunStore:
+    """The location a command was given (a run, or `query`'s answer), its refusals naming it `name` as the command
+    line does (`query`: run, --output-url); a run's stage store `cache_url` when given (one that moved). A bad URL
+    is an invalid parameter (exit 2)."""
     from pydantic import ValidationError
 
     from influence_core.pipeline.store.run_store import RunStore
@@ -352,7 +399,7 @@ def open_store(output_url: str, endpoint_url: str | None, cache_url: str | None 
     try:
         return RunStore(output_url=output_url, storage=StorageSpec(endpoint_url=endpoint_url, cache_url=cache_url))
     except ValidationError as exc:
-        raise fail(validation_lines(exc, RunStore), 2) from None
+        raise fail(validation_lines(exc, RunStore, {"output_url": name, "endpoint_url": "--endpoint-url", "storage.endpoint_url": "--endpoint-url"}), 2) from None
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ refusals.install()  # refusals log one line, no traceback
 
 @flow(name="influence-question", log_prints=True, validate_parameters=True)
 def influence_question(
-    run_url: str = Field("runs/on-demand", description="Output URL of a finished run with a training index (local path or s3://bucket/prefix)."),
+    run_url: str = Field(..., description="Output URL of a finished run with a training index (local path or s3://bucket/prefix), e.g. runs/on-demand/<parameter fingerprint>: the summary of an influence-run flow run names it."),
     queries: str = Field(..., description="An .npz file of the new queries: x_test and y_test (or x and y), local or s3://."),
     top_k: int = Field(5, ge=1, description="Most helpful and most harmful training examples per query."),
     output_url: str = Field("", description="Where the answer goes (a Zarr group of top-k arrays); empty: {run_url}/questions/{flow run name}."),

@@ -26,7 +26,8 @@ curl -fsS "$PREFECT_API_URL/health" > /dev/null || { echo "the Prefect server di
 "$BIN/prefect" work-pool inspect influence-pool > /dev/null 2>&1 || "$BIN/prefect" work-pool create influence-pool --type process
 "$BIN/prefect" --no-prompt deploy --all
 "$BIN/python" -m flows.service  # the pool's concurrency limit; the failure webhook when INFLUENCE_FAILURE_WEBHOOK_URL is set
-echo "UI: http://127.0.0.1:${PORT}  (deployments: influence-run/nightly, influence-run/on-demand)"
+echo "UI: http://127.0.0.1:${PORT}  (deployments: influence-run/nightly, influence-run/on-demand, influence-question/question)"
+echo "In another shell: export PREFECT_API_URL=${PREFECT_API_URL}, then ${BIN}/prefect deployment run influence-run/on-demand"
 "$BIN/prefect" worker start --pool influence-pool --type process &
 WORKER=$!
 stop_worker() {

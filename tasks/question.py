@@ -20,7 +20,7 @@ from .publish import TABLE_MAX_K
 def answer_question(run: RunStore, queries: str, top_k: int, output: RunStore, search: SearchSpec) -> dict[str, Any]:
     """Score the queries against the run's index (no training gradient; by its FAISS index when `search` says so),
     write the answer, publish its top-k table."""
-    found, rows, method = query.ask(run, queries, top_k, output, search)
+    found, rows, method = query.ask(run, queries, top_k, output, search, endpoint_field="storage.endpoint_url")
     shown = [row.first(TABLE_MAX_K) for row in rows]
     create_table_artifact(table_records(shown), key="influence-question", description=f"{len(rows)} new queries against {run.output_url}'s training index ({method})")
     return {"run": run.output_url, "answer": output.influence_url, "queries": len(rows), "work": found.work.as_dict(), "search": found.search}

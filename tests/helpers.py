@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,3 +59,24 @@ def stored_model_and_data(store: RunStore, group: zarr.Group) -> tuple[torch.nn.
     model = load_model(refs["fit_model"], store.options)  # type: ignore[arg-type]
     arrays = open_data(refs["prepare_data"], store.options)  # type: ignore[arg-type]
     return model, {name: examples.read(arr) for name, arr in arrays.items()}  # inputs of named fields: a dict of tensors
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """The sha256 of every file under `root`, by relative path: what "left byte-identical" compares."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def shown_indices(output: str, column: int) -> list[list[int]]:
+    """The training indices a printed top-k table shows per query, in order: column 2 helpful, 3 harmful (a query's
+    row starts on the line that carries its number)."""
+    rows: list[list[int]] = []
+    for line in output.splitlines():
+        cells = line.split("│")
+        if len(cells) != 6:
+            continue
+        if cells[1].strip():
+            rows.append([])
+        found = re.match(r"\s*#(\d+) ", cells[column + 1])
+        if found:
+            rows[-1].append(int(found.group(1)))
+    return rows

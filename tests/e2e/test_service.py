@@ -248,5 +248,35 @@ def test_question_deployment_answers_new_queries_from_a_runs_index(deployed, tmp
     store = params.store()
     expected = answer(store, *query_arrays(str(tmp_path / "new.npz"), {}), top_k=3)
     written = storage.open_group(str(tmp_path / "base" / "questions" / final.name / "influence.zarr"), {}, mode="r")  # where the flow writes it
-    assert written.attrs["work"]["gradient_rows"] == 9 and written.attrs["status"] == "complete"
+    assert written.attrs["work"]["gradient_rows"] == 9 and written.attrs["status"] == "complete" and written.attrs["kind"] == "answer"
     np.testing.assert_array_equal(np.asarray(written["topk_helpful_indices"][...]), expected.arrays["topk_helpful_indices"])
+
+
+def test_question_deployment_needs_a_run_and_names_the_runs_of_a_folder(deployed, tmp_path):
+    """Issue 52, item 16: the question deployment's run_url had the default runs/on-demand, which never holds a run
+    (on-demand writes runs/on-demand/{fingerprint}), so "Run" with the defaults failed. Now the server refuses a run
+    without run_url (409/422: the form asks for it), and a folder of runs given as run_url fails the flow run with
+    the one line naming the run below it."""
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from sklearn.datasets import load_digits
+
+    from flows.influence_run import influence_run
+
+    params = small_params(str(tmp_path / "on-demand" / "3f9a"))
+    with temporary_settings({PREFECT_API_URL: deployed["PREFECT_API_URL"]}):
+        influence_run(**params.sections())  # in this process, against the same server
+    x, y = load_digits(return_X_y=True)
+    np.savez(tmp_path / "new.npz", x=(x[-4:] / 16.0).astype(np.float32), y=y[-4:])
+    with client_for(deployed) as client:
+        question = client.read_deployment_by_name("influence-question/question")
+        assert "run_url" in question.parameter_openapi_schema["required"]
+        with pytest.raises(PrefectHTTPStatusError) as info:
+            client.create_flow_run_from_deployment(question.id, parameters={"queries": str(tmp_path / "new.npz")})
+        assert info.value.response.status_code in (409, 422) and "run_url" in info.value.response.text
+        asked = client.create_flow_run_from_deployment(question.id, parameters={"run_url": str(tmp_path / "on-demand"), "queries": str(tmp_path / "new.npz")})
+        final = wait_final(client, asked.id)
+    assert final.state.is_failed(), final.state
+    line = f"run: '{tmp_path / 'on-demand'}' holds no run itself but 1 run below it: '{params.output_url}'. Fix: give one of them as run"
+    assert line in final.state.message and "Traceback" not in final.state.message, final.state.message
+    assert not (tmp_path / "on-demand" / "questions").exists()

@@ -625,3 +625,29 @@ def test_every_copied_path_exists_and_is_not_ignored() -> None:
         assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
         excluded = any(source == p or source.startswith(p + "/") for p in ignored)
         assert not excluded or source in kept, f"COPY {source}: excluded by the .dockerignore; add !{source}"
+
+
+def test_serve_names_every_deployment_and_the_readme_s_service_commands_run_as_written() -> None:
+    """Issue 52, item 18: serve.sh's closing "UI:" line names every deployment of prefect.yaml (the question's was
+    missing), and every `prefect` command of the README's shell blocks is the virtual environment's (plain `prefect`
+    is not on PATH after `make install`), after PREFECT_API_URL is exported (without it: "Deployment … not found"),
+    and names a deployment that prefect.yaml deploys."""
+    from importlib import import_module
+
+    deployments = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    names = set()
+    for deployment in deployments:
+        path, attribute = deployment["entrypoint"].split(":")
+        path = path.removesuffix(".py").replace("/", ".")
+        names.add(f"{getattr(import_module(path), attribute).name}/{deployment['name']}")
+    ui = next(line for line in (INFRA / "serve.sh").read_text().splitlines() if line.startswith('echo "UI: '))
+    assert names == set(re.findall(r"[\w-]+/[\w-]+", ui.split("deployments:")[1])), ui
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    commands = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    calls = [i for i, line in enumerate(commands) if re.search(r"(^|\s|/)prefect\s", line)]
+    assert calls, "the README shows no prefect command"
+    for i in calls:
+        assert commands[i].startswith(".venv/bin/prefect "), commands[i]
+        assert any(line.startswith("export PREFECT_API_URL=http://127.0.0.1:4200/api") for line in commands[:i]), commands[i]
+        for named in re.findall(r"deployment run (\S+)", commands[i]):
+            assert named in names, named

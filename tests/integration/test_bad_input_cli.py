@@ -7,7 +7,6 @@ the input (none for a preflight failure), and no stage from that one on has writ
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import socket
@@ -35,7 +34,7 @@ from flows.influence_run import influence_run
 from flows.parameters import RunParameters
 from influence_core import ConfigError
 from influence_core.pipeline.store import storage
-from tests.helpers import small_params
+from tests.helpers import small_params, tree_hashes
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 runner = CliRunner()
@@ -43,10 +42,6 @@ STAGES = ["prepare_data", "fit_model", "fit_preconditioner", "index_training", "
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def tree_hashes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def manifests(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.glob("stages/*/*/manifest.json")}
 
@@ -426,6 +421,28 @@ def test_config_that_is_not_a_mapping(tmp_path: Path) -> None:
     path = tmp_path / "list.yaml"
     path.write_text("- output_url\n- runs/x\n")
     assert_refused(runner.invoke(app, ["run", "--config", str(path)]), 2, "--config", "list, not a mapping")
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", ("is not UTF-8 text (byte 0 is b'\\x89': a binary file?)",)),
+        (b"", ("holds nothing (it is empty or only comments), not a mapping",)),
+        (b"# output_url: runs/x\n", ("holds nothing (it is empty or only comments), not a mapping",)),
+        (b"method:\n  name: cg\naggregate:\n  top_k: 3\nmethod:\n  name: direct\n", ("gives 'method' twice in one mapping (lines 1 and 5)", "Fix: keep one 'method' there")),
+        (b"method:\n  name: cg\n  name: direct\n", ("gives 'name' twice in one mapping (lines 2 and 3)", "Fix: keep one 'name' there")),
+    ],
+    ids=["binary", "empty", "only-comments", "section-twice", "field-twice"],
+)
+def test_a_config_file_that_is_not_one_mapping_is_refused_before_any_run(content: bytes, words: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52, item 14: a binary file (UnicodeDecodeError before), an empty one (it ran the defaults into ./runs/demo)
+    and a key or section given twice (the last one silently won) are each one line naming --config, exit 2, and no
+    flow run starts (nothing is written where the defaults would write)."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    assert_refused(runner.invoke(app, ["run", "--config", str(path)]), 2, "--config", "'" + str(path) + "'", *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
 
 
 def test_unsupported_output_scheme(tmp_path: Path) -> None:

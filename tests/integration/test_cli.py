@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from importlib.metadata import version
@@ -19,7 +18,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from influence_core.pipeline.store.run_store import RunStore
 from influence_core.version import CODE_VERSION
-from tests.helpers import read_outputs, small_params
+from tests.helpers import read_outputs, shown_indices, small_params
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 runner = CliRunner()
@@ -122,22 +121,6 @@ def stored_run(tmp_path_factory: pytest.TempPathFactory, prefect_api: None) -> P
     result = runner.invoke(app, ["run", "--config", str(config)])
     assert result.exit_code == 0, result.output
     return root
-
-
-def shown_indices(output: str, column: int) -> list[list[int]]:
-    """The training indices the table shows per query, in order: column 2 helpful, 3 harmful (a query's row starts
-    on the line that carries its number)."""
-    rows: list[list[int]] = []
-    for line in output.splitlines():
-        cells = line.split("│")
-        if len(cells) != 6:
-            continue
-        if cells[1].strip():
-            rows.append([])
-        found = re.match(r"\s*#(\d+) ", cells[column + 1])
-        if found:
-            rows[-1].append(int(found.group(1)))
-    return rows
 
 
 @pytest.mark.parametrize("top", [None, 1, 4])

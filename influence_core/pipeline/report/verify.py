@@ -14,8 +14,9 @@ import zarr
 
 from ..store import damage, storage
 from ..store.binding import check_stages
-from ..store.publish import stored_refs, with_recorded_cache
+from ..store.publish import read_attrs, stored_refs, with_recorded_cache
 from ..store.run_store import RunStore
+from ...errors import ConfigError
 
 RTOL = 1e-5  # float32 scores: stored aggregates may differ from a recomputation by a few ulps
 TOKEN_RTOL = 1e-4  # per-token scores, recomputed in float32 and summed in another order: of Σ_t |token score|
@@ -102,6 +103,59 @@ def _stages(store: RunStore, attrs: dict[str, Any]) -> list[Check]:
     except (KeyError, TypeError, ValueError):
         return [Check("stages", False, "the attributes' refs cannot be read")]
     return [Check(f"stage {name}", not wrong, wrong[0] if wrong else "complete; every object hashed again, as recorded") for name, wrong in check_stages(store, refs, list(refs), deep=True).items()]
+
+
+ANSWER_ATTRIBUTES = ("schema_version", "run", "run_fingerprint", "queries", "top_k", "n_train")
+ANSWER_ARRAYS = ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores", "argmax")  # of a run's layout; and query_labels
+
+
+def verify_answer(store: RunStore) -> list[Check]:
+    """Every check of a question's answer at `store` (`query --output-url`, the question flow; `is_answer`): status,
+    its attributes, each array of its layout with its shape and dtype, the top-k tables (indices distinct, within
+    the run's training rows, scores finite and sorted), argmax = topk_helpful_indices[:, 0], and the run it names:
+    still there, complete, and the run it asked (the same run fingerprint)."""
+    group = storage.open_group(store.influence_url, store.options, mode="r")
+    attrs = dict(group.attrs)
+    checks = [Check("status", attrs.get("status") == "complete", f"status={attrs.get('status')!r}")]
+    missing = [name for name in ANSWER_ATTRIBUTES if name not in attrs]
+    checks.append(Check("attributes", not missing, f"missing {missing}" if missing else f"kind answer, schema_version {attrs['schema_version']}, {', '.join(ANSWER_ATTRIBUTES[1:])}"))
+    checks.append(_asked_run(store, attrs))
+    labels = group.get("query_labels")
+    if missing or not isinstance(labels, zarr.Array) or not labels.shape:
+        return [*checks, Check("layout", False, "no query_labels or attributes to say n_queries, top_k and n_train: cannot check shapes")]
+    n, k, n_train = labels.shape[0], attrs["top_k"], attrs["n_train"]
+    arrays = {}
+    layout = {name: spec for name, spec in expected_arrays(n, n_train, k).items() if name in ANSWER_ARRAYS}
+    for name, (shape, dtype) in {**layout, "query_labels": ((n, *labels.shape[1:]), str(labels.dtype))}.items():
+        node = group.get(name)
+        found = None if node is None else (tuple(node.shape), str(node.dtype))
+        ok = isinstance(node, zarr.Array) and found == (shape, dtype)
+        checks.append(Check(name, ok, "missing" if found is None else f"{found[0]} {found[1]}" + ("" if ok else f", expected {shape} {dtype}")))
+        if ok:
+            arrays[name] = np.asarray(node[...])
+    for kind, order in (("helpful", -1), ("harmful", 1)):
+        indices, values = arrays.get(f"topk_{kind}_indices"), arrays.get(f"topk_{kind}_scores")
+        if indices is not None and values is not None:
+            wrong = "scores hold NaN or inf" if not np.isfinite(values).all() else _topk_form(indices, values, n_train, order, 0.0)
+            checks.append(Check(f"top-k {kind}", wrong is None, wrong or f"{k} per query: distinct, within the run's {n_train} training examples, sorted"))
+    if "argmax" in arrays and "topk_helpful_indices" in arrays:
+        differs = np.flatnonzero(arrays["argmax"] != arrays["topk_helpful_indices"][:, 0])
+        detail = f"query {differs[0]}: argmax {arrays['argmax'][differs[0]]} but topk_helpful_indices[:, 0] is {arrays['topk_helpful_indices'][differs[0], 0]}" if differs.size else "= topk_helpful_indices[:, 0]"
+        checks.append(Check("argmax", not differs.size, detail))
+    return checks
+
+
+def _asked_run(store: RunStore, attrs: dict[str, Any]) -> Check:
+    """The run an answer names is there, complete, and the one it asked: its run fingerprint is the recorded one."""
+    url = attrs.get("run")
+    if not isinstance(url, str):
+        return Check("run", False, "the answer names no run")
+    try:
+        found = read_attrs(RunStore(output_url=url, storage=store.storage), "run").get("run_fingerprint")
+    except ConfigError as exc:
+        return Check("run", False, exc.problem)
+    same = found == attrs.get("run_fingerprint")
+    return Check("run", same, f"{url}: complete, the run asked" if same else f"{url} now holds another run (run fingerprint {found}, the answer's {attrs.get('run_fingerprint')})")
 
 
 def _token_sums(group: zarr.Group, kind: str, arrays: dict[str, zarr.Array]) -> Check:
@@ -213,13 +267,9 @@ def _topk(at: Callable[[np.ndarray, np.ndarray], np.ndarray], n_train: int, indi
     """Indices distinct and in range, values sorted, each value the score at its index, and the values those of a
     true top-k. Ties may be broken either way: only the values of the set are compared, not which tied index."""
     indices, values = np.asarray(indices_array[...]), np.asarray(values_array[...])
-    if indices.min(initial=0) < 0 or indices.max(initial=0) >= n_train:
-        return False, f"indices outside [0, {n_train})"
-    repeated = [q for q, row in enumerate(indices) if len(set(row.tolist())) != len(row)]
-    if repeated:
-        return False, f"query {repeated[0]} lists a training example twice"
-    if (np.diff(values, axis=1) * order < -atol).any():
-        return False, f"scores not sorted {'descending' if order < 0 else 'ascending'}"
+    wrong_form = _topk_form(indices, values, n_train, order, atol)
+    if wrong_form:
+        return False, wrong_form
     at_index = at(np.repeat(np.arange(len(indices)), indices.shape[1]), indices.ravel()).reshape(indices.shape)
     wrong = np.argwhere(~np.isclose(at_index, values, rtol=RTOL, atol=atol))
     if wrong.size:
@@ -230,6 +280,19 @@ def _topk(at: Callable[[np.ndarray, np.ndarray], np.ndarray], n_train: int, indi
         q, j = wrong[0]
         return False, f"query {q}, rank {j}: stored {values[q, j]:.6g}, but the scores' rank-{j} value is {reference[q, j]:.6g}"
     return True, f"{indices.shape[1]} per query agree with the scores"
+
+
+def _topk_form(indices: np.ndarray, values: np.ndarray, n_train: int, order: int, atol: float) -> str | None:
+    """What is wrong with a top-k table on its own (None: nothing): indices out of range or repeated in a row, values
+    not sorted (order -1: descending, 1: ascending) beyond `atol`."""
+    if indices.min(initial=0) < 0 or indices.max(initial=0) >= n_train:
+        return f"indices outside [0, {n_train})"
+    repeated = [q for q, row in enumerate(indices) if len(set(row.tolist())) != len(row)]
+    if repeated:
+        return f"query {repeated[0]} lists a training example twice"
+    if (np.diff(values, axis=1) * order < -atol).any():
+        return f"scores not sorted {'descending' if order < 0 else 'ascending'}"
+    return None
 
 
 def _argmax(at: Callable[[np.ndarray, np.ndarray], np.ndarray], n_train: int, argmax: np.ndarray, first: np.ndarray, best: np.ndarray, atol: float) -> tuple[bool, str]:

@@ -25,6 +25,11 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "train_totals": ("train",),
 }
 
+# A question's answer (`query --output-url`, the question flow) is a group of its own layout, marked so that `show`,
+# `verify` and a later answer tell it from a run (attrs kind and schema_version; docs/output-format.md)
+ANSWER_KIND = "answer"
+ANSWER_SCHEMA_VERSION = 1
+
 # The group attributes that say what a score means (DESIGN.md, "Score convention")
 SCORE_CONVENTION = {
     "score_convention": "score[query, train] = grad loss(query)^T (H + lambda I)^-1 grad loss(train); H the Hessian or Gauss-Newton matrix of the mean training loss",

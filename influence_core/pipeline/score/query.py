@@ -25,10 +25,10 @@ from ...objective import Objective
 from ..sources.data import check_block
 from . import faiss_search
 from .score_reductions import TIE_MARGIN, RunningTopK, read_ahead
-from .layout import DIMENSIONS
+from .layout import ANSWER_KIND, ANSWER_SCHEMA_VERSION, DIMENSIONS
 from ..model.models import check_queries, probe_forward
 from ..store.loading import index_projection, load_influence_model, open_data
-from ..store.publish import read_attrs, stored_refs, task_decode, with_recorded_cache
+from ..store.publish import is_answer, read_attrs, shown_top, stored_refs, task_decode, with_recorded_cache
 from ..store.refs import DataRef, IndexRef, ModelRef
 from ..report.report import QueryRow, topk_rows
 from ..store.binding import require_stages
@@ -163,40 +163,125 @@ def check_question(spec: ModelSpec, data: DataRef, objective: Objective, x: Any,
         raise ConfigError("--queries", f"the queries do not fit the run's model ({exc.field}): {exc.problem}", "ask with inputs and labels encoded as the run's training data is (its dataset and model settings are in its summary.json)") from None
 
 
-def write_answer(url: str, answer: Answer, run_url: str, options: dict[str, Any]) -> None:
-    """The answer as a Zarr v3 group of the top-k arrays (the run's output layout), naming the run it asked and how
-    the top-k was found."""
-    group = storage.open_group(url, options, mode="w")
+def write_answer(output: RunStore, answer: Answer, labels: np.ndarray, asked: dict[str, Any]) -> None:
+    """The answer as a Zarr v3 group of the top-k arrays (the run's output layout) and the queries' labels, marked
+    kind: answer with its schema version, naming the run it asked (`asked`: run, run_fingerprint, queries) and how the
+    top-k was found; status complete is written last. Replaces an earlier answer there, never anything else
+    (`check_output` ran before any work)."""
+    group = storage.open_group(output.influence_url, output.options, mode="w")
+    group.attrs.put({"kind": ANSWER_KIND, "schema_version": ANSWER_SCHEMA_VERSION, "status": "running"})
     for name in TOPK:
         storage.create_array(group, name, data=answer.arrays[name], dimension_names=DIMENSIONS[name])
     storage.create_array(group, "argmax", data=answer.arrays["topk_helpful_indices"][:, 0], dimension_names=DIMENSIONS["argmax"])
-    group.attrs.update({"status": "complete", "run": run_url, "work": answer.work.as_dict(), "search": answer.search})
+    storage.create_array(group, "query_labels", data=labels, dimension_names=("query", *[None] * (labels.ndim - 1)))
+    assert answer.data is not None
+    top_k = answer.arrays["topk_helpful_indices"].shape[1]
+    group.attrs.update({**asked, "top_k": top_k, "n_train": answer.data.n_train, "method": answer.config["method"]["name"], "work": answer.work.as_dict(), "search": answer.search})
+    group.attrs["status"] = "complete"
 
 
-def ask(store: RunStore, queries: str, top_k: int, output: RunStore | None = None, search: SearchSpec | None = None) -> tuple[Answer, list[QueryRow], str]:
+def ask(store: RunStore, queries: str, top_k: int, output: RunStore | None = None, search: SearchSpec | None = None, endpoint_field: str = "--endpoint-url") -> tuple[Answer, list[QueryRow], str]:
     """The whole question: the queries of the .npz file `queries` answered from the run at `store` (by `search`),
-    written under `output` when given. Returns the answer, its top-k rows (labels read as the run's task reads them)
-    and the method."""
+    written under `output` when given. Every location is checked first, in seconds (`endpoint_field` names where the
+    S3 endpoint was given). Returns the answer, its top-k rows (labels read as the run's task reads them) and the
+    method."""
+    check_locations(store, queries, output, endpoint_field)
+    fingerprint = read_attrs(store, "run").get("run_fingerprint")
     x, y = query_arrays(queries, store.options)
     found = answer(store, x, y, top_k, search=search)
     config, data = found.config, found.data
     assert data is not None
     if output is not None:
-        write_answer(output.influence_url, found, store.output_url, output.options)
+        write_answer(output, found, y, {"run": store.output_url, "run_fingerprint": fingerprint, "queries": queries})
     rows = found.rows(open_data(data, store.options)["y_train"], x, y, task_decode(config["model"]), top_k)
     return found, rows, config["method"]["name"]
 
 
+def check_locations(run: RunStore, queries: str, output: RunStore | None, endpoint_field: str) -> None:
+    """Before any work, each in seconds: the run's and the queries' S3 locations answer (not after botocore's
+    retries), and the answer's location holds at most an earlier answer (checked before its write probe) and can be
+    written."""
+    storage.check_reachable(run.output_url, run.options, "run", endpoint_field)
+    storage.check_reachable(queries, run.options, "--queries", endpoint_field)
+    if output is not None:
+        storage.check_reachable(output.output_url, output.options, "--output-url", endpoint_field)
+        check_output(output)
+        storage.check_writable(output.output_url, output.options, "--output-url", endpoint_field)
+
+
+TAKEN = ("influence.zarr", "summary.json", "report.png", "stages", "run.lock", "zarr.json")  # a run's entries, or a Zarr node itself
+
+
+def check_output(output: RunStore) -> None:
+    """The answer's location holds nothing or an earlier answer (which the new one replaces): a run there, finished
+    or not, its files, any other group at influence.zarr, or a Zarr node (inside a run's group) is refused, never
+    written over."""
+    if is_answer(output):
+        return
+    held = sorted(set(storage.list_names(output.output_url, output.options)) & set(TAKEN))
+    if "zarr.json" in held:
+        raise ConfigError("--output-url", f"{output.output_url} is a Zarr node (inside a run's or another group), which the answer would write into", "give a folder of its own, outside any influence.zarr")
+    if held:
+        raise ConfigError(
+            "--output-url", f"{output.output_url} holds {', '.join(held)}: a run's output (or another group), which the answer would overwrite",
+            f"give a location of its own, e.g. {storage.join(output.output_url, 'questions', '<name>')}, or an earlier answer to replace",
+        )
+
+
+def read_answer(store: RunStore, n_queries: int, n_show: int | None = None) -> tuple[dict[str, Any], list[QueryRow]]:
+    """A question's answer as `show` prints it: its attributes and its first queries' rows, `n_show` examples each
+    (None: all it stores), the training examples' labels read from the run it names."""
+    group = storage.open_group(store.influence_url, store.options, mode="r")
+    attrs = dict(group.attrs)
+    if attrs.get("status") != "complete":
+        raise ConfigError("output_url", f"the answer at {store.output_url!r} is not complete (status={attrs.get('status')!r})", "ask the question again with --output-url there")
+    shown = shown_top(group["topk_helpful_indices"].shape[1], n_show, "answer", f"ask again with --top {n_show}")
+    run = RunStore(output_url=attrs["run"], storage=store.storage)
+    run_attrs = read_attrs(run, "run")
+    run = with_recorded_cache(run, run_attrs)
+    refs = stored_refs(run, run_attrs)
+    require_stages(run, refs, ["prepare_data"])
+    data = refs["prepare_data"]
+    assert isinstance(data, DataRef)
+    decode = task_decode(run_attrs["config"]["model"])
+    return attrs, topk_rows(group, open_data(data, run.options)["y_train"], group["query_labels"], n_queries, shown, None, decode)
+
+
+QUERIES_FIX = "save the queries' inputs and labels as numeric arrays, one row per query: numpy.savez(FILE, x=inputs, y=labels) (or x_test, y_test)"
+NPY_MAGIC, ZIP_MAGIC = b"\x93NUMPY", b"PK\x03\x04"
+
+
 def query_arrays(path: str, options: dict[str, Any]) -> tuple[Any, np.ndarray]:
-    """Queries from an .npz file: x_test and y_test, or x and y (every row a query)."""
+    """Queries from an .npz file: x_test and y_test, or x and y (every row a query). Read without unpickling, ever:
+    an empty file, a single .npy array, any other file, object arrays or no rows are refused in one line."""
+    try:
+        raw = storage.read_bytes(path, options)
+    except FileNotFoundError:
+        raise ConfigError("--queries", f"no file at {path!r}", "give the path of an .npz file of the queries") from None
+    if not raw.startswith(ZIP_MAGIC):
+        what = "is empty" if not raw else "is a single .npy array" if raw.startswith(NPY_MAGIC) else f"begins {raw[:8]!r}"
+        raise ConfigError("--queries", f"{path} {what}, not an .npz of the queries' inputs and labels", QUERIES_FIX)
+    x, y = npz_queries(path, raw)
+    if y.ndim == 0 or len(y) == 0:
+        raise ConfigError("--queries", f"{path} holds no query (x of shape {x.shape}, y of shape {y.shape})", QUERIES_FIX)
+    return examples.read(x), y
+
+
+def npz_queries(path: str, raw: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The inputs and labels of an .npz file's bytes, with allow_pickle=False; one line for a damaged zip, missing
+    names or object arrays."""
     import io
+    import zipfile
 
     try:
-        with np.load(io.BytesIO(storage.read_bytes(path, options)), allow_pickle=False) as npz:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
             names = ("x_test", "y_test") if "x_test" in npz else ("x", "y")
             if not set(names) <= set(npz.files):
                 raise ConfigError("--queries", f"{path} holds {sorted(npz.files)}, not x_test and y_test (or x and y)", "save the queries' inputs and labels under those names")
-            x, y = npz[names[0]], npz[names[1]]
-    except FileNotFoundError:
-        raise ConfigError("--queries", f"no file at {path!r}", "give the path of an .npz file of the queries") from None
-    return examples.read(x), y
+            return npz[names[0]], npz[names[1]]
+    except ConfigError:
+        raise
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:  # numpy refuses object arrays (ValueError) without allow_pickle
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        what = "holds object arrays, which are never unpickled" if "Object arrays" in why else "is a damaged .npz"
+        raise ConfigError("--queries", f"{path} {what} ({why})", QUERIES_FIX) from None

@@ -11,7 +11,7 @@ from typing import Any
 from . import damage, storage
 from .binding import require_stages
 from ...errors import ConfigError
-from ..score.layout import SCORE_CONVENTION
+from ..score.layout import ANSWER_KIND, SCORE_CONVENTION
 from .refs import DataRef, FactorsRef, IndexRef, ModelRef, StageRef, ValidationRef
 from ..specs import METHOD_CLASSES, MagicMethod, ModelSpec
 from ..report.report import Decode, QueryRow, example_view, lds_line, render_report, topk_rows
@@ -199,19 +199,69 @@ def stored_refs(store: RunStore, attrs: Any) -> dict[str, StageRef]:
     return {name: types.get(name.split("[")[0], StageRef).model_validate(ref).moved(store.resolve) for name, ref in attrs["refs"].items()}  # fit_model[1]: a ModelRef
 
 
-def read_attrs(store: RunStore) -> Any:
-    """A finished run's group attributes; a missing, damaged or unfinished run is refused with a ConfigError."""
+def read_attrs(store: RunStore, field: str = "output_url") -> Any:
+    """A finished run's group attributes; a missing, damaged or unfinished run is refused with a ConfigError naming
+    `field` (`query` names its run argument `run`)."""
     damaged = damage.damaged_nodes(store.influence_url, store.options)
     if damaged:
-        raise ConfigError("output_url", damage.describe(store.influence_url, damaged), REPAIR_FIX)
+        raise ConfigError(field, damage.describe(store.influence_url, damaged), REPAIR_FIX)
     try:
         group = storage.open_group(store.influence_url, store.options, mode="r")
     except FileNotFoundError:
-        raise ConfigError("output_url", f"no influence.zarr under {store.output_url!r}", "give the output_url of a finished run, or run the pipeline there first") from None
+        raise missing_run(store, field) from None
+    if group.attrs.get("kind") == ANSWER_KIND:
+        raise ConfigError(field, f"{store.output_url!r} holds the answer to a question, not a run", f"give the run it asked, {group.attrs.get('run')!r}")
     status = group.attrs.get("status")
     if status != "complete":
-        raise ConfigError("output_url", f"the run at {store.output_url!r} is not complete (status={status!r})", "run it again with the same parameters to finish it")
+        raise ConfigError(field, f"the run at {store.output_url!r} is not complete (status={status!r})", "run it again with the same parameters to finish it")
+    if not {"config", "refs"} <= set(group.attrs):
+        raise ConfigError(field, f"{store.influence_url!r} is not a run's output (its attributes lack config and refs)", "give the output URL of a run made by influence-pipeline run or demo")
     return group.attrs
+
+
+def group_attributes(store: RunStore) -> dict[str, Any] | None:
+    """The attributes of the output's influence.zarr group, read from its metadata alone; None when it is absent or
+    damaged (not a Zarr group's metadata)."""
+    try:
+        meta = storage.read_json(storage.join(store.influence_url, "zarr.json"), store.options)
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+    attributes = meta.get("attributes", {}) if isinstance(meta, dict) and meta.get("node_type") == "group" else None
+    return attributes if isinstance(attributes, dict) else None
+
+
+def is_answer(store: RunStore) -> bool:
+    """The output holds a question's answer (`query --output-url`, the question flow), not a run: its group says
+    kind: answer."""
+    return (group_attributes(store) or {}).get("kind") == ANSWER_KIND
+
+
+def holds_run(store: RunStore) -> bool:
+    """The output holds a run's influence.zarr (finished or not), not an answer."""
+    attributes = group_attributes(store)
+    return attributes is not None and attributes.get("kind") != ANSWER_KIND
+
+
+def shown_top(stored: int, n_show: int | None, holder: str, again: str) -> int:
+    """How many examples per query to show: `n_show` (None: all `stored`); more than the `holder` (a run, an answer)
+    stores is refused (`show --top`), with `again` saying how to store more."""
+    if n_show is not None and n_show > stored:
+        raise ConfigError("--top", f"{n_show} is more than the {stored} examples per query the {holder} stores (its top_k)", f"give --top {stored} or less, or {again}")
+    return stored if n_show is None else n_show
+
+
+RUNS_LOOKED_AT = 50  # entries of a folder checked for runs below it (a deployment's runs/on-demand/{fingerprint})
+
+
+def missing_run(store: RunStore, field: str) -> ConfigError:
+    """No run at `store`: the refusal names the runs one level below it, when it is a folder of runs (a deployment's
+    `runs/on-demand`, whose runs are `runs/on-demand/{fingerprint}`)."""
+    names = sorted(storage.list_names(store.output_url, store.options))[:RUNS_LOOKED_AT]
+    runs = [store.url(name) for name in names if holds_run(RunStore(output_url=store.url(name), storage=store.storage))]
+    if not runs:
+        return ConfigError(field, f"no influence.zarr under {store.output_url!r}", "give the output URL of a finished run, or run the pipeline there first")
+    shown = ", ".join(repr(url) for url in runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+    return ConfigError(field, f"{store.output_url!r} holds no run itself but {len(runs)} run{'s' if len(runs) > 1 else ''} below it: {shown}", f"give one of them as {field} (a deployment writes each run to <its output_url>/<parameter fingerprint>)")
 
 
 def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tuple[dict[str, Any], list[QueryRow]]:
@@ -222,10 +272,8 @@ def read_run(store: RunStore, n_queries: int, n_show: int | None = None) -> tupl
     refs = stored_refs(store, attrs)
     require_stages(store, refs, ["prepare_data", "aggregate"])
     group = storage.open_group(store.influence_url, store.options, mode="r")
-    stored = group["topk_helpful_indices"].shape[1]
-    if n_show is not None and n_show > stored:
-        raise ConfigError("--top", f"{n_show} is more than the {stored} examples per query the run stores (its top_k)", f"give --top {stored} or less, or run again with aggregate.top_k={n_show}")
+    shown = shown_top(group["topk_helpful_indices"].shape[1], n_show, "run", f"run again with aggregate.top_k={n_show}")
     data = refs["prepare_data"]
     assert isinstance(data, DataRef)
     decode = task_decode(attrs["config"]["model"])
-    return dict(attrs), query_rows(store, open_data(data, store.options), decode, n_queries, stored if n_show is None else n_show)
+    return dict(attrs), query_rows(store, open_data(data, store.options), decode, n_queries, shown)

@@ -145,11 +145,10 @@ def list_names(url: str, options: dict[str, Any]) -> list[str]:
 PROBE_TIMEOUT = 3.0  # seconds: a preflight fails fast instead of after botocore's 60 s connect timeout and retries
 
 
-def check_writable(url: str, options: dict[str, Any], field: str = "output_url") -> None:
+def check_writable(url: str, options: dict[str, Any], field: str = "output_url", endpoint_field: str = "storage.endpoint_url") -> None:
     """Fail in seconds, naming the field, when the location cannot be written: no S3 credentials, a closed endpoint,
     a missing bucket, or a read-only directory. Writes one probe file and removes it, so nothing is left behind."""
-    if is_remote(url):
-        _check_s3(url, options, field)
+    check_reachable(url, options, field, endpoint_field)
     fs, path = filesystem(url, options)
     if not is_remote(url):
         path = _existing_ancestor(Path(path), field)  # probe where the run would create its directory; create nothing
@@ -159,6 +158,13 @@ def check_writable(url: str, options: dict[str, Any], field: str = "output_url")
         fs.rm(probe)
     except OSError as exc:
         raise ConfigError(field, f"cannot write to {url!r} ({exc.strerror or exc})", f"point {field} at a writable location, or make it writable") from None
+
+
+def check_reachable(url: str, options: dict[str, Any], field: str, endpoint_field: str = "storage.endpoint_url") -> None:
+    """Fail in seconds, naming the field, when an S3 location cannot be reached (no credentials, a closed endpoint, a
+    missing bucket) instead of after botocore's retries; a local path needs no probe."""
+    if is_remote(url):
+        _check_s3(url, options, field, endpoint_field)
 
 
 def free_bytes(url: str) -> int | None:
@@ -184,7 +190,7 @@ def _existing_ancestor(path: Path, field: str) -> str:
     return str(path)
 
 
-def _check_s3(url: str, options: dict[str, Any], field: str) -> None:
+def _check_s3(url: str, options: dict[str, Any], field: str, endpoint_field: str) -> None:
     """Credentials in the environment, an endpoint that answers, and an existing bucket; each cheap."""
     import botocore.session
 
@@ -197,7 +203,7 @@ def _check_s3(url: str, options: dict[str, Any], field: str) -> None:
             "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) where the flow runs; never put them in parameters",
         )
     if endpoint:
-        _check_endpoint(endpoint)
+        _check_endpoint(endpoint, endpoint_field)
     where = endpoint or "the default AWS endpoint"
     fs, _ = filesystem(url, {**options, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}})  # a wrong endpoint fails in seconds
     try:
@@ -210,16 +216,14 @@ def _check_s3(url: str, options: dict[str, Any], field: str) -> None:
         raise ConfigError(field, f"S3 bucket {bucket!r} does not exist at {where}", f"create it (e.g. `aws s3 mb s3://{bucket} --endpoint-url {where}`) or point {field} at an existing bucket")
 
 
-def _check_endpoint(endpoint: str) -> None:
-    """A TCP connection to the endpoint within PROBE_TIMEOUT seconds."""
+def _check_endpoint(endpoint: str, field: str) -> None:
+    """A TCP connection to the endpoint within PROBE_TIMEOUT seconds; `field` names where the endpoint was given."""
     parts = urlsplit(endpoint)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         socket.create_connection((parts.hostname or "", port), timeout=PROBE_TIMEOUT).close()
     except OSError as exc:
-        raise ConfigError(
-            "storage.endpoint_url", f"nothing answers at {endpoint} ({exc.strerror or exc})", "start the S3 service there, or correct storage.endpoint_url"
-        ) from None
+        raise ConfigError(field, f"nothing answers at {endpoint} ({exc.strerror or exc})", f"start the S3 service there, or correct {field}") from None
 
 
 def _stamp(info: dict[str, Any]) -> str:
