@@ -102,7 +102,7 @@ def test_the_faiss_index_is_built_by_the_first_question_and_loaded_by_the_next(r
     stamp = kept.stat().st_mtime_ns
     second = ask("second", SearchSpec(kind="faiss", index="ivf", nprobe=32))  # nprobe is a search setting: the same file
     assert not second["search"]["built"] and second["work"]["index_rows"] == 0 and second["search"]["url"] == str(kept)
-    assert kept.stat().st_mtime_ns == stamp and sorted(os.listdir(kept.parent)) == [kept.name, kept.with_suffix(".json").name]
+    assert kept.stat().st_mtime_ns == stamp and sorted(os.listdir(kept.parent)) == [kept.name, f"{kept.name}.sha256", kept.with_suffix(".json").name]
     answers = [zarr.open_group(str(tmp_path / name / "influence.zarr"), mode="r") for name in ("first", "second")]
     assert [group.attrs["search"]["built"] for group in answers] == [True, False]
     for name in ("topk_helpful_indices", "topk_harmful_indices", "topk_helpful_scores", "topk_harmful_scores"):
@@ -111,6 +111,10 @@ def test_the_faiss_index_is_built_by_the_first_question_and_loaded_by_the_next(r
     assert other["search"]["built"] and other["search"]["url"] != str(kept)
     kept.write_bytes(kept.read_bytes()[:1000])
     assert ask("again", SearchSpec(kind="faiss", index="ivf"))["search"]["built"]
+    raw = bytearray(kept.read_bytes())  # overwritten at its size: its sha256 tells, and it is built again
+    raw[len(raw) // 2] ^= 0xFF
+    kept.write_bytes(bytes(raw))
+    assert ask("damaged", SearchSpec(kind="faiss", index="ivf"))["search"]["built"]
 
 
 @pytest.mark.parametrize(
@@ -144,6 +148,6 @@ def test_the_faiss_index_is_kept_beside_an_index_on_s3(s3_bucket, s3_endpoint, t
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
     beside = run_index(params.store())[3].url.rsplit("/", 1)[0]
     kept = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}).ls(f"{beside}/faiss")
-    assert sorted(name.rsplit(".", 1)[1] for name in kept) == ["faiss", "json"]
+    assert sorted(name.rsplit(".", 1)[1] for name in kept) == ["faiss", "json", "sha256"]
     assert "FAISS flat inner-product index" in first.output and "built in" in first.output and "loaded in" in second.output
     assert first.output.split("\n5 queries in")[0] == second.output.split("\n5 queries in")[0]  # the same top-k table

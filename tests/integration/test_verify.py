@@ -1,4 +1,5 @@
-"""`verify`: a good run passes every check; each corruption is reported by the check it concerns, and only by it."""
+"""`verify`: a good run passes every check; each corruption is reported by the check it concerns and by the integrity
+check of the stage that wrote the bytes, and by no other."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 runner = CliRunner()
 CHECKS = [
     "status", "attributes", "summary.json", "scores", "topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores",
-    "argmax", "train_totals", "self_influence", "fingerprints", "scores complete", "top-k helpful", "top-k harmful", "argmax", "train_totals", "self_influence finite",
+    "argmax", "train_totals", "self_influence", "fingerprints",
+    *(f"stage {name}" for name in ("prepare_data", "fit_model", "fit_preconditioner", "index_training", "compute_test_factors", "compute_influences", "aggregate")),
+    "scores complete", "top-k helpful", "top-k harmful", "argmax", "train_totals", "self_influence finite",
 ]
 
 
@@ -105,15 +108,15 @@ def scores_of_another_shape(group: zarr.Group) -> None:
 @pytest.mark.parametrize(
     ("corrupt", "expected"),
     [
-        (swap_top_entry, ["top-k helpful"]),
-        (scores_nan, ["scores complete", "aggregates"]),
-        (totals_off, ["train_totals"]),
-        (argmax_off, ["argmax"]),
-        (self_influence_inf, ["self_influence finite"]),
-        (harmful_unsorted, ["top-k harmful"]),
+        (swap_top_entry, ["stage aggregate", "top-k helpful"]),
+        (scores_nan, ["stage compute_influences", "scores complete", "aggregates"]),
+        (totals_off, ["stage aggregate", "train_totals"]),
+        (argmax_off, ["stage aggregate", "argmax"]),
+        (self_influence_inf, ["stage compute_influences", "self_influence finite"]),
+        (harmful_unsorted, ["stage aggregate", "top-k harmful"]),
         (status_running, ["status"]),
-        (scores_of_another_shape, ["scores", "aggregates"]),
-        (stale_totals, ["fingerprints"]),
+        (scores_of_another_shape, ["scores", "stage compute_influences", "aggregates"]),
+        (stale_totals, ["fingerprints", "stage aggregate"]),
     ],
     ids=lambda v: v.__name__ if callable(v) else None,
 )
@@ -127,7 +130,8 @@ def test_each_corruption_is_reported(run_copy: Path, corrupt: Callable[[zarr.Gro
 @pytest.mark.parametrize("name", ["topk_harmful_scores", "self_influence", "train_totals"])
 def test_a_deleted_array_is_reported(run_copy: Path, name: str) -> None:
     shutil.rmtree(run_copy / "influence.zarr" / name)
-    assert failed(RunStore(output_url=str(run_copy))) == [name]
+    owner = "stage compute_influences" if name == "self_influence" else "stage aggregate"
+    assert failed(RunStore(output_url=str(run_copy))) == [name, owner]
 
 
 def test_a_missing_summary_is_reported(run_copy: Path) -> None:
@@ -147,10 +151,11 @@ def test_ties_may_be_broken_either_way(run_copy: Path) -> None:
     group["argmax"][0] = 20
     group["train_totals"][...] = scores.sum(axis=0, dtype=np.float64).astype(np.float32)
     store = RunStore(output_url=str(run_copy))
-    assert failed(store) == []
+    rewritten = ["stage compute_influences", "stage aggregate"]  # the bytes are not those the stages wrote: only that is reported
+    assert failed(store) == rewritten
     below = next(i for i in np.argsort(-scores[0]) if i not in tied)  # the next best, below the tie
     group["topk_helpful_indices"][0, 3] = below
-    assert failed(store) == ["top-k helpful"]
+    assert failed(store) == [*rewritten, "top-k helpful"]
 
 
 @pytest.mark.slow
@@ -162,5 +167,5 @@ def test_verify_on_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
     result = runner.invoke(app, ["verify", f"s3://{s3_bucket}/run", "--endpoint-url", s3_endpoint], terminal_width=200)
     assert result.exit_code == 0, result.output
     storage.open_group(store.influence_url, store.options, mode="a")["scores"][0, 0] = np.nan
-    assert failed(store) == ["scores complete", "aggregates"]
+    assert failed(store) == ["stage compute_influences", "scores complete", "aggregates"]
     assert runner.invoke(app, ["verify", f"s3://{s3_bucket}/run", "--endpoint-url", s3_endpoint]).exit_code == 1

@@ -9,6 +9,7 @@ import posixpath
 import shutil
 import socket
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -280,9 +281,12 @@ def content_token(url: str, options: dict[str, Any]) -> str:
 
 
 def file_sha256(path: str, fs: fsspec.AbstractFileSystem) -> str:
-    """sha256 of one file's bytes, read in HASH_BLOCK steps."""
+    """sha256 of one file's bytes, read in HASH_BLOCK steps, the next block read while this one is hashed (both
+    release the GIL): a cold read costs about the slower of the disk and the hash, not their sum."""
     digest = hashlib.sha256()
-    with fs.open(path, "rb") as handle:
-        while block := handle.read(HASH_BLOCK):
+    with fs.open(path, "rb") as handle, ThreadPoolExecutor(max_workers=1) as reader:
+        ahead = reader.submit(handle.read, HASH_BLOCK)
+        while block := ahead.result():
+            ahead = reader.submit(handle.read, HASH_BLOCK)
             digest.update(block)
     return digest.hexdigest()
