@@ -53,8 +53,9 @@ class StageRef(Ref):
     @property
     def identity(self) -> str:
         """Fingerprint and content digest: a stage over this output is keyed on what the output holds, so a
-        recomputed output with other bytes (a nondeterministic fit) never meets a stage made from the old one."""
-        return f"{self.fingerprint}:{self.digest}"
+        recomputed output with other bytes (a nondeterministic fit) never meets a stage made from the old one. A ref
+        without a digest (recorded before there were any) keys as it always did."""
+        return f"{self.fingerprint}:{self.digest}" if self.digest else self.fingerprint
 
 
 WHITENING_FILE = "whitening.pt"  # in a whitened compressed index's group: in its inventory, so a damaged one is found
