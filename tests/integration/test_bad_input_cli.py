@@ -8,6 +8,7 @@ the input (none for a preflight failure), and no stage from that one on has writ
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import socket
@@ -245,6 +246,11 @@ PARAMETER_CASES = [
     invalid("a 1 MB model option", both(set_in("model.factory", "tests.plugin_models:dropout_batchnorm_mlp"), set_in("model.options", {"hidden": "x" * 1_000_000})), "model.options.hidden", "not printed"),
     invalid("a 1 MB dataset source", set_in("dataset.source", "x" * 1_000_000), "dataset.source", "not printed"),
     invalid("negative λ of one layer", set_in("method.regularization", {"1": 1e-3, "3": -1.0}), "method.regularization.3", "Fix: set method.regularization.3 to 0.0 or more"),
+    # issue 52: λ=inf scored every example 0 and exited 0, λ=nan was refused asking for "≥ 0", top_k=true became 1
+    invalid("λ = .inf", set_in("method.regularization", math.inf), "method.regularization", "Input should be a finite number ≥ 0. Fix: set method.regularization to a finite number ≥ 0"),
+    invalid("λ = .nan", set_in("method.regularization", math.nan), "method.regularization", "Input should be a finite number ≥ 0. Fix: set method.regularization to a finite number ≥ 0"),
+    invalid("top_k = true", set_in("aggregate.top_k", True), "aggregate.top_k", "Input should be a whole number ≥ 1. Fix: set aggregate.top_k to a whole number ≥ 1"),
+    invalid("top_k = 2.5", set_in("aggregate.top_k", 2.5), "aggregate.top_k", "a whole number ≥ 1"),
 ]
 
 RUNTIME_CASES = [

@@ -1,0 +1,86 @@
+"""Numbers that cannot mean anything are refused where they are first seen (issue 52): a bool, a fractional float or
+a NaN/infinity in a number field of the parameters; a λ that is not finite, or that swamps the fitted curvature; a
+model whose forward pass is random (for MAGIC's replay) or cannot take one example alone (every per-example
+gradient)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from flows.messages import validation_lines
+from flows.parameters import RunParameters
+
+
+# -- the parameters ------------------------------------------------------------------------------------------------
+def number_fields() -> Iterator[tuple[str, dict[str, Any], str, str]]:
+    """Every number field of the run form, read from its JSON schema (what Prefect's server and UI see): (section, the
+    variant's tag, field name, 'integer', 'number' or 'integer items')."""
+    schema = RunParameters.model_json_schema()
+    defs = schema["$defs"]
+    for section, prop in schema["properties"].items():
+        refs = [prop["$ref"]] if "$ref" in prop else [option["$ref"] for option in prop.get("anyOf", []) if "$ref" in option]
+        for ref in refs:
+            variant = defs[ref.split("/")[-1]]
+            tag = {name: field["const"] for name, field in variant["properties"].items() if "const" in field}
+            for name, field in variant["properties"].items():
+                types = {option.get("type") for option in field.get("anyOf", [field])}
+                if "integer" in types:
+                    yield section, tag, name, "integer"
+                elif "number" in types:
+                    yield section, tag, name, "number"
+                elif field.get("items", {}).get("type") == "integer":
+                    yield section, tag, name, "integer items"
+
+
+FIELDS = sorted({(section, json.dumps(tag), name, kind) for section, tag, name, kind in number_fields()})
+BAD = {"integer": [True, False, 2.5], "number": [True, math.nan, math.inf, -math.inf, "inf"], "integer items": [[True], [2.5]]}
+
+
+@pytest.mark.parametrize("section, tag, name, kind", FIELDS, ids=[f"{s}.{json.loads(t).get('name') or json.loads(t).get('source') or ''}.{n}" for s, t, n, _ in FIELDS])
+def test_a_bool_a_fraction_or_a_non_finite_number_is_never_a_number(section, tag, name, kind):
+    for value in BAD[kind]:
+        with pytest.raises(ValidationError) as refused:
+            RunParameters.model_validate({section: {**json.loads(tag), name: value}})
+        errors = [err for err in refused.value.errors() if err["loc"][-1] == name]
+        assert [err["type"] for err in errors] == ["number_wanted"], (value, refused.value.errors())
+        wanted = errors[0]["ctx"]["wanted"]
+        assert wanted.startswith("a whole number" if kind != "number" else "a finite number"), wanted
+
+
+def test_the_field_list_covers_the_form():
+    names = {(section, name) for section, _, name, _ in FIELDS}
+    assert {("aggregate", "top_k"), ("method", "regularization"), ("method", "maxiter"), ("model", "hidden"), ("training", "learning_rate"), ("compute", "index_side")} <= names
+    assert len(FIELDS) > 60
+
+
+@pytest.mark.parametrize("value, line", [
+    (".nan", "method.regularization: Input should be a finite number ≥ 0. Fix: set method.regularization to a finite number ≥ 0"),
+    (".inf", "method.regularization: Input should be a finite number ≥ 0. Fix: set method.regularization to a finite number ≥ 0"),
+    ("{'0': 1.0e-3, '2': .nan}", "method.regularization: Input should be a finite number ≥ 0. Fix: set method.regularization to a finite number ≥ 0"),
+])
+def test_a_lambda_that_is_not_finite_names_what_is_wanted(value, line):
+    config = yaml.safe_load(f"method: {{name: direct, block_structure: layer_wise, regularization: {value}}}")
+    with pytest.raises(ValidationError) as refused:
+        RunParameters.model_validate(config)
+    assert validation_lines(refused.value, RunParameters) == [line]
+
+
+def test_top_k_true_is_refused_not_read_as_one():
+    with pytest.raises(ValidationError) as refused:
+        RunParameters.model_validate(yaml.safe_load("aggregate: {top_k: true}"))
+    assert validation_lines(refused.value, RunParameters) == ["aggregate.top_k: Input should be a whole number ≥ 1. Fix: set aggregate.top_k to a whole number ≥ 1"]
+
+
+def test_yaml_and_json_integers_still_work():
+    from_yaml = RunParameters.model_validate(yaml.safe_load("aggregate: {top_k: 3}\nmethod: {name: cg, maxiter: 50, regularization: 1.0e-2}\nmodel: {hidden: [8, 4]}"))
+    from_json = RunParameters.model_validate_json('{"aggregate": {"top_k": 3}, "method": {"name": "cg", "maxiter": 50.0, "regularization": 0}, "model": {"hidden": [8, 4]}}')
+    for params in (from_yaml, from_json):
+        assert params.aggregate.top_k == 3 and params.method.maxiter == 50 and params.model.hidden == [8, 4]  # type: ignore[union-attr]
+        assert type(params.aggregate.top_k) is int and type(params.method.maxiter) is int  # type: ignore[union-attr]
