@@ -289,6 +289,11 @@ RUNTIME_CASES = [
          ("column 'x' of data.parquet", "missing value (null) in row 30"), ["prepare_data"]),
     Case("null in a float list column of Parquet", parquet_with_a_null(np.random.default_rng(0).random((120, 64)), 54), "dataset.path",
          ("column 'x' of data.parquet", "missing value (null) in row 54"), ["prepare_data"]),
+    # issue 52: λ=1e300 scored every example 0 (exit 0); a random forward pass failed MAGIC's replay after its work,
+    # with a traceback; batch norm without running statistics raised in fit_model's probe; cg's per-token scores of a
+    # language model were refused only in aggregate, naming positions.weight
+    Case("λ = 1e300 swamps the curvature", set_in("method.regularization", 1e300), "method.regularization", ("λ=1e+300 swamps the curvature", "set method.regularization below"),
+         ["prepare_data", "fit_model", "fit_preconditioner"]),
 ]
 
 

@@ -11,11 +11,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 import yaml
 from pydantic import ValidationError
+from torch import nn
 
 from flows.messages import validation_lines
 from flows.parameters import RunParameters
+from influence_core import (
+    ArnoldiInfluence, CgInfluence, ConfigError, DataInfInfluence, DirectInfluence, EkfacInfluence, KfacInfluence, LissaInfluence, NystroemSketchInfluence,
+)
 
 
 # -- the parameters ------------------------------------------------------------------------------------------------
@@ -84,3 +90,70 @@ def test_yaml_and_json_integers_still_work():
     for params in (from_yaml, from_json):
         assert params.aggregate.top_k == 3 and params.method.maxiter == 50 and params.model.hidden == [8, 4]  # type: ignore[union-attr]
         assert type(params.aggregate.top_k) is int and type(params.method.maxiter) is int  # type: ignore[union-attr]
+
+
+# -- λ in the library ----------------------------------------------------------------------------------------------
+def problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A small untrained MLP in float64 and its data."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (24,), generator=gen)
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3)).double(), x, y
+
+
+@pytest.mark.parametrize("lam", [math.inf, math.nan, {"0": 1e-3, "2": math.inf}])
+def test_the_library_refuses_a_lambda_that_is_not_finite(lam):
+    model, _, _ = problem()
+    structure = {"block_structure": "layer_wise"} if isinstance(lam, dict) else {}
+    with pytest.raises(ConfigError, match=r"^method.regularization: direct got λ=(inf|nan) for block .* Fix: use a finite number ≥ 0"):
+        DirectInfluence(model, "cross_entropy", lam, **structure)
+
+
+def largest_gauss_newton_eigenvalue(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The reference: the largest eigenvalue of the mean loss's Gauss-Newton matrix (1/n) Σ Jᵢᵀ (diag(pᵢ) − pᵢpᵢᵀ) Jᵢ,
+    from the Jacobians of the logits by torch.func, eigenvalues by torch.linalg.eigvalsh."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    jacobians = torch.func.vmap(torch.func.jacrev(lambda p, xi: torch.func.functional_call(model, p, (xi[None],))[0]), in_dims=(None, 0))(params, x)
+    j = torch.cat([jacobians[name].reshape(len(x), 3, -1) for name in params], dim=2)  # (n, classes, p)
+    probs = F.softmax(model(x), dim=1).detach()
+    output_hessian = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
+    matrix = torch.einsum("nop,noq,nqr->pr", j, output_hessian, j) / len(x)
+    return float(torch.linalg.eigvalsh(matrix)[-1])
+
+
+METHODS = {
+    "direct": lambda m, lam: DirectInfluence(m, "cross_entropy", lam),
+    "cg": lambda m, lam: CgInfluence(m, "cross_entropy", lam),
+    "lissa": lambda m, lam: LissaInfluence(m, "cross_entropy", lam, depth=50),
+    "arnoldi": lambda m, lam: ArnoldiInfluence(m, "cross_entropy", lam, rank=27, krylov_dim=27),
+    "nystroem": lambda m, lam: NystroemSketchInfluence(m, "cross_entropy", lam, rank=27),
+    "datainf": lambda m, lam: DataInfInfluence(m, "cross_entropy", lam),
+    "kfac": lambda m, lam: KfacInfluence(m, "cross_entropy", lam),
+    "ekfac": lambda m, lam: EkfacInfluence(m, "cross_entropy", lam),
+}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_lambda_that_swamps_the_fitted_curvature_is_refused(name):
+    """λ = 1e12 × the largest curvature eigenvalue leaves (C + λI)⁻¹ = I/λ (λ=1e300: every score 0 in float32): refused
+    when fitted, naming method.regularization and a bound; 10 × that eigenvalue (heavy damping, still meaningful) fits."""
+    model, x, y = problem()
+    top = largest_gauss_newton_eigenvalue(model, x, y)
+    for lam in (1e12 * top, 1e300):
+        with pytest.raises(ConfigError) as refused:
+            METHODS[name](model, lam).fit((x, y))
+        assert refused.value.field == "method.regularization" and "swamps the curvature" in refused.value.problem
+        assert "set method.regularization below" in refused.value.fix and "\n" not in str(refused.value)
+    im = METHODS[name](model, 10 * top).fit((x, y))
+    assert bool(torch.isfinite(im.influences(x[:2], y[:2], x, y)).all())
+
+
+@pytest.mark.parametrize("name", ["direct", "arnoldi"])
+def test_the_bound_is_above_the_largest_eigenvalue(name):
+    """Direct's ‖C‖_F bounds the largest eigenvalue from above; Arnoldi at full rank finds it."""
+    model, x, y = problem()
+    top = largest_gauss_newton_eigenvalue(model, x, y)
+    scale = METHODS[name](model, 1e-3).fit((x, y)).solvers["all"].curvature_scale()
+    assert scale >= top * (1 - 1e-9)
+    if name == "arnoldi":
+        assert scale == pytest.approx(top, rel=1e-8)

@@ -155,6 +155,7 @@ def _fit(stage: PreconditionerInput, client_factory: Callable[[], Any], loc: Sta
         ran = placement.ran
         state = on_device(state, stage.compute.torch_device)
         im.load_state_dict({f"{block}/{key}": value for block, values in state.items() for key, value in values.items()}, train=batches)
+        im.check_regularization()  # as the library's fit does, from the factors' eigenvalues
     else:
         im.fit(batches)
         ran = "in the flow's process"
