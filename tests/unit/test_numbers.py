@@ -22,6 +22,10 @@ from flows.parameters import RunParameters
 from influence_core import (
     ArnoldiInfluence, CgInfluence, ConfigError, DataInfInfluence, DirectInfluence, EkfacInfluence, KfacInfluence, LissaInfluence, NystroemSketchInfluence,
 )
+from influence_core.magic import check_deterministic, metagradients
+from influence_core.task import Classification
+from influence_core.training import AdamRecipe
+from tests.plugin_models import random_forward
 
 
 # -- the parameters ------------------------------------------------------------------------------------------------
@@ -157,3 +161,38 @@ def test_the_bound_is_above_the_largest_eigenvalue(name):
     assert scale >= top * (1 - 1e-9)
     if name == "arnoldi":
         assert scale == pytest.approx(top, rel=1e-8)
+
+
+# -- models ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["dropout", "noise"])
+def test_a_random_forward_pass_is_refused_before_any_replay(kind):
+    torch.manual_seed(0)
+    x, y, model = torch.randn(16, 4), torch.randint(0, 3, (16,)), random_forward(4, 3, kind)
+    before = torch.random.get_rng_state()
+    with pytest.raises(ConfigError, match=r"^model: its forward pass in training mode is random: .* Fix: set every dropout probability to 0"):
+        check_deterministic(model, x)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the probe leaves the random state as it was
+    with pytest.raises(ConfigError, match="training mode is random"):
+        metagradients(random_forward(4, 3, kind), Classification(), AdamRecipe(1, 8, 1e-2, 0.0, 0), x, y, x[:2], y[:2])
+
+
+def test_a_deterministic_forward_pass_is_accepted_and_left_in_its_mode():
+    torch.manual_seed(0)
+    model = random_forward(4, 3, "none").eval()
+    check_deterministic(model, torch.randn(16, 4))
+    assert not model.training
+
+
+@pytest.mark.parametrize("method", [DirectInfluence, KfacInfluence])
+def test_batch_norm_without_running_statistics_is_refused_in_one_line(method):
+    """Such a norm normalises each example by its batch, so one example alone, as per-example gradients take it, has
+    no loss of its own: refused at fit, naming the module and the fix; with running statistics the same model fits."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    for running in (False, True):
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, track_running_stats=running), nn.Tanh(), nn.Linear(8, 3))
+        if running:
+            method(model, "cross_entropy", 1e-2).fit((x, y))
+            continue
+        with pytest.raises(ConfigError, match=r"^model: its forward pass fails on one example alone .*batch norm \['1'\] keeps no running statistics.* Fix: keep batch norm's running statistics"):
+            method(model, "cross_entropy", 1e-2).fit((x, y))
