@@ -119,6 +119,8 @@ def _fix(err: Any, field: str, path: list[str], section: type[BaseModel] | None,
     if kind in BOUNDS and BOUNDS[kind][0] in ctx:
         key, phrase = BOUNDS[kind]
         return f"set {field} to " + phrase.format(ctx[key])
+    if kind == "number_wanted":  # a bool, a fractional float or a NaN/infinity where a number is wanted (`Spec`)
+        return f"set {field} to {ctx['wanted']}"
     if kind in ("union_tag_invalid", "enum", "literal_error"):
         return f"set {field} to one of the values listed"
     if kind == "missing":

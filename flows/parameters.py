@@ -105,9 +105,18 @@ class RunParameters(BaseModel):
 
     @model_validator(mode="after")
     def _token_scores_need_gradients(self) -> "RunParameters":
-        """Per-token scores split a training row's gradient contraction; method magic has none to split."""
-        if self.aggregate.token_scores and isinstance(self.method, MagicMethod):
+        """Per-token scores split a language model's training-row score over the row's tokens, by the gradient
+        contraction before its sum over positions: another task has no next tokens to split over, and method magic no
+        contraction. (Which parameters can be split is checked on the model, before training: `check_token_scores`.)"""
+        if not self.aggregate.token_scores:
+            return self
+        if isinstance(self.method, MagicMethod):
             raise ConfigError("aggregate.token_scores", "method magic differentiates through training and gives no per-token split of a score", "set aggregate.token_scores to false, or choose an influence method (e.g. ekfac)")
+        if self.model.task_name != "language_modelling":
+            raise ConfigError(
+                "aggregate.token_scores", f"per-token scores split a language model's scores over the tokens of each training row, but the task is {self.model.attributed_task}",
+                "set aggregate.token_scores to false, or model.task: language_modelling for a model that predicts each next token of its inputs",
+            )
         return self
 
     @model_validator(mode="after")

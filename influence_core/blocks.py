@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Literal, Union
 
@@ -50,9 +51,9 @@ def block_regularization(blocks: dict[str, slice], value: Regularization, positi
     else:
         lams = dict.fromkeys(blocks, float(value))
     for name, lam in lams.items():
-        if lam < 0 or (positive and lam == 0):
-            bound = "> 0" if positive else ">= 0"
-            raise ConfigError("method.regularization", f"{method} got λ={lam} for block {name!r}", f"use a value {bound}, e.g. 1e-3")
+        if not math.isfinite(lam) or lam < 0 or (positive and lam == 0):
+            bound = "> 0" if positive else "≥ 0"
+            raise ConfigError("method.regularization", f"{method} got λ={lam} for block {name!r}", f"use a finite number {bound}, e.g. 1e-3")
     return lams
 
 

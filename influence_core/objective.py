@@ -10,7 +10,7 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import examples
-from .errors import ConfigError
+from .errors import ConfigError, raised
 from .task import LossFn, Task, resolve_task
 from .params import ParamSpace
 from .solvers import MatMat
@@ -130,6 +130,7 @@ class Objective:
         xs, ys = self.to_model(examples.take(x, slice(0, 64)), y[:64])
         live = {name: p.detach().requires_grad_(True) for name, p in self.params.items()}
         out = self.outputs(live, xs)
+        self.check_alone(xs)
         self.task.check(out.detach(), self._to_space(y))
         value = self.task.mean_loss(out, ys)
         if value.ndim != 0:
@@ -143,6 +144,23 @@ class Objective:
                 "remove detach()/argmax/round from the forward pass and the loss",
             )
         return out.detach()
+
+    def check_alone(self, x: examples.Inputs) -> None:
+        """Refuse a model that cannot take one example of `x` by itself, as per-example gradients, scores and
+        self-influences evaluate each: batch norm without running statistics normalises by the batch, which one
+        example of one value per channel does not have."""
+        try:
+            with torch.no_grad():
+                self.outputs(self.params, examples.take(x, slice(0, 1)))
+        except Exception as exc:  # the user's model code failed
+            norms = [name for name, m in self.model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and not m.track_running_stats]
+            if not norms:
+                raise ConfigError("model", f"its forward pass fails on one example alone ({raised(exc)}), which per-example gradients evaluate", "make the forward pass take a batch of one example") from None
+            raise ConfigError(
+                "model", f"its forward pass fails on one example alone ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): batch norm {norms} keeps no running statistics (track_running_stats=False), "
+                "so it normalises each example by its batch, and an example's own loss, which influence attributes, is not defined",
+                "keep batch norm's running statistics (track_running_stats=True, the default; eval mode then normalises each example with them), or use LayerNorm or GroupNorm",
+            ) from None
 
     def summed_gradient(self, x: examples.Inputs, y: torch.Tensor) -> torch.Tensor:
         """The flat gradient of the sum of the examples' own losses (each row's loss computed alone), by plain autograd:

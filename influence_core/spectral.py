@@ -91,3 +91,10 @@ def hutchinson_trace(matmat: MatMat, dim: int, probes: int, seed: int, dtype: to
     if deflate is not None:
         z = z - (z @ deflate) @ deflate.T
     return float((z * matmat(z)).sum()) / probes
+
+
+def frobenius_estimate(matmat: MatMat, dim: int, probes: int, seed: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Hutchinson's estimate of ‖C‖_F, from `probes` Rademacher vectors z in one batch of products: E‖Cz‖² = ‖C‖_F²,
+    which bounds C's largest eigenvalue in magnitude from above, for a symmetric C of any sign."""
+    z = (torch.randint(0, 2, (probes, dim), generator=_generator(seed)) * 2 - 1).to(dtype=dtype, device=device)
+    return float((matmat(z).to(torch.float64) ** 2).sum() / probes) ** 0.5

@@ -20,7 +20,7 @@ from influence_core.pipeline.store.runlock import exclusive_run
 from influence_core.pipeline.score.scoring import space_warning
 from influence_core.pipeline.sources.data import fewer_queries
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec
-from influence_core.pipeline.score.token_scores import token_positions
+from influence_core.pipeline.score.token_scores import check_token_scores
 
 
 def check_run(store: RunStore, compute: ComputeSpec, model: ModelSpec, fingerprint: str, overwrite: bool) -> None:
@@ -43,12 +43,12 @@ def check_data(data: DataRef, dataset: DatasetSpec, aggregate: AggregateSpec, ca
     when the source held fewer queries than dataset.n_test asked for."""
     check_top_k(aggregate, data.n_train)
     check_knn_k(candidates, data.n_train)
-    check_method(method, model, data)
     arrays = open_data(data, store.options)
+    check_method(method, model, data, arrays)
     check_queries(model, arrays)
     check_query_labels(model, data, arrays["y_test"])
     if aggregate.token_scores:
-        token_positions(arrays)
+        check_token_scores(method, model, data, arrays)
     return fewer_queries(dataset, data.n_test)
 
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import zarr
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.sorting import FlowRunSort
 
 from flows.parameters import RunParameters
 from influence_core import examples
@@ -80,3 +84,18 @@ def shown_indices(output: str, column: int) -> list[list[int]]:
         if found:
             rows[-1].append(int(found.group(1)))
     return rows
+
+
+def latest_task_runs(output_url: str) -> dict[str, str]:
+    """The latest flow run to `output_url`: each of its task runs' final state type (COMPLETED for a cache hit too,
+    FAILED), read back from the Prefect API once none is still RUNNING there (the engine reports states in the
+    background; up to 10 s)."""
+    for _ in range(50):
+        with get_client(sync_client=True) as client:
+            runs = [r for r in client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=50) if r.parameters.get("output_url") == output_url]
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
+        states = {t.name.rsplit("-", 1)[0]: t.state.type.value for t in tasks if t.state is not None}
+        if "RUNNING" not in states.values():
+            return states
+        time.sleep(0.2)
+    return states

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -129,3 +130,44 @@ class WithHidden(nn.Module):
 
 def tuple_output(in_features: int = 64, classes: int = 10) -> nn.Module:
     return WithHidden(in_features, classes)
+
+
+class RandomForward(nn.Module):
+    """An MLP whose forward pass draws random numbers without a dropout module: F.dropout in training mode
+    (`kind='dropout'`) or Gaussian noise from torch.randn (`kind='noise'`); `kind='none'` draws nothing."""
+
+    def __init__(self, in_features: int, classes: int, kind: str) -> None:
+        super().__init__()
+        self.kind, self.hidden, self.head = kind, nn.Linear(in_features, 8), nn.Linear(8, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(x.flatten(1)))
+        if self.kind == "dropout":
+            h = F.dropout(h, 0.3, self.training)
+        elif self.kind == "noise":
+            h = h + 0.01 * torch.randn_like(h)
+        return self.head(h)
+
+
+def random_forward(in_features: int = 64, classes: int = 10, kind: str = "dropout") -> nn.Module:
+    return RandomForward(in_features, classes, kind)
+
+
+def batch_statistics_mlp(in_features: int = 64, classes: int = 10, hidden: int = 16) -> nn.Module:
+    """An MLP whose BatchNorm1d keeps no running statistics: it normalises every batch by that batch's own."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.BatchNorm1d(hidden, track_running_stats=False), nn.Tanh(), nn.Linear(hidden, classes))
+
+
+class RootOfLayer(nn.Module):
+    """√|W x| through a linear head: its gradient is infinite where W x = 0, as at an all-zero input."""
+
+    def __init__(self, in_features: int, classes: int) -> None:
+        super().__init__()
+        self.hidden, self.head = nn.Linear(in_features, 8, bias=False), nn.Linear(8, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(x.flatten(1)).abs().sqrt())
+
+
+def root_of_layer(in_features: int = 64, classes: int = 10) -> nn.Module:
+    return RootOfLayer(in_features, classes)

@@ -2,6 +2,6 @@
 weights, by reverse mode through every step of the replayed, deterministic training."""
 
 from .metagradient import Metagradients, metagradients
-from .replay import ReplayWork, check_replayable
+from .replay import ReplayWork, check_deterministic, check_replayable
 
-__all__ = ["Metagradients", "ReplayWork", "check_replayable", "metagradients"]
+__all__ = ["Metagradients", "ReplayWork", "check_deterministic", "check_replayable", "metagradients"]

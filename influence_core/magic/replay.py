@@ -4,7 +4,7 @@ and the states kept only at checkpoints (every k-th step; k = ⌈√T⌉ unless 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,47 @@ def check_replayable(model: nn.Module) -> None:
             raise ConfigError("model", f"module {name!r} is dropout (p={module.p}), whose random masks a replay of the training cannot retrace", "use a model without dropout (or p=0) for method magic")
         if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
             raise ConfigError("model", f"module {name!r} is batch norm with running statistics, which training updates outside the optimiser", "use a model without batch norm (layer norm is fine) for method magic")
+
+
+PROBE_ROWS = 8  # rows the randomness probe runs twice in training mode
+
+
+def check_deterministic(model: nn.Module, x: Any) -> None:
+    """Refuse a model whose forward pass in training mode draws random numbers (F.dropout, noise from torch.randn),
+    which a replay cannot retrace: a few rows of x go through it under one seed twice and under another once, and a
+    deterministic model gives the same outputs each time whatever the seed. torch's random state is left as it was."""
+    first = next(model.parameters())
+    rows = examples.map_inputs(examples.take(x, slice(0, PROBE_ROWS)), lambda t: _like(as_tensor(t), first))
+    mode, outputs = model.training, []
+    try:
+        model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=[first.device] if first.is_cuda else []):
+            for seed in (0, 0, 1):
+                torch.manual_seed(seed)
+                outputs.append(_tensors(examples.call(model, rows)))
+    finally:
+        model.train(mode)
+    scale = max((float(t.abs().max()) for t in outputs[0] if t.numel()), default=0.0)
+    gap = max((float((a - b).abs().max()) for other in outputs[1:] for a, b in zip(outputs[0], other) if a.numel()), default=0.0)
+    if gap > 1e-5 * scale:  # a GPU's reordered sums move outputs by far less
+        raise ConfigError(
+            "model", f"its forward pass in training mode is random: the same {examples.count(rows)} rows give outputs up to {gap:.3g} apart under two random seeds "
+            "(dropout, e.g. F.dropout in forward, or noise drawn with torch.randn), so a replay of its training cannot retrace it",
+            "set every dropout probability to 0 and remove the noise from forward for method magic, or choose another method (e.g. method.name: ekfac), which attributes the trained model in eval mode",
+        )
+
+
+def _like(t: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """Inputs on the parameter's device, floating ones in its dtype (integer ids stay integers)."""
+    return t.to(device=parameter.device, dtype=parameter.dtype if t.is_floating_point() else t.dtype)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The floating tensors of a model's output: a tensor, or those in a tuple, list or mapping (a Hugging Face output)."""
+    if isinstance(out, torch.Tensor):
+        return [out.detach().to(torch.float64)] if out.is_floating_point() else []
+    values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else []
+    return [t for value in values for t in _tensors(value)]
 
 
 def as_tensor(values: Any) -> torch.Tensor:
@@ -61,6 +102,7 @@ class Replay:
 
     def __init__(self, model: nn.Module, task: Task, recipe: AdamRecipe, x: Any, y: Any, checkpoint_every: int | None = None) -> None:
         check_replayable(model)
+        check_deterministic(model, x)
         self.objective = Objective(model, task)
         self.task, self.recipe = task, recipe
         self.x, self.y = self.objective.to_model(examples.map_inputs(x, as_tensor), as_tensor(y))

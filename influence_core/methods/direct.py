@@ -23,6 +23,7 @@ class DirectSolver(BlockSolver):
 
     def fit(self) -> None:
         matrix = self.curvature.dense().to(torch.float64)
+        self.scale = float(torch.linalg.matrix_norm(matrix))  # ‖C‖_F ≥ its largest eigenvalue, exact and O(p²)
         matrix.diagonal().add_(self.lam)
         factor, info = torch.linalg.cholesky_ex(matrix)
         if int(info) != 0:
@@ -33,6 +34,9 @@ class DirectSolver(BlockSolver):
                 self.lam, max(10 * abs(smallest), 1e-6 * abs(largest)), self.second_order_mode,
             )
         self.factor = factor
+
+    def curvature_scale(self) -> float:
+        return self.scale
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"cholesky": self.factor}

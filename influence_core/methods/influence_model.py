@@ -11,6 +11,7 @@ projections) form their low-dimensional features from the same batch.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any, ClassVar, Self
@@ -25,7 +26,7 @@ from ..contraction import Batch, GradientSplit, LayerRows, RowOrder, Rows, compr
 from ..curvature import CurvatureOperator, SecondOrderMode
 from ..errors import ConfigError
 from ..layers import module_param_names, select_layers
-from ..spectral import hutchinson_trace, lanczos, nystroem
+from ..spectral import frobenius_estimate, hutchinson_trace, lanczos, nystroem
 from ..objective import Objective
 from ..projection import Projection, Projector, project_batch, projected_rows
 from ..self_influence import SelfInfluenceMode, SelfInfluencePlan, Sketch, Solve, auto_rank, eigen_sketch
@@ -35,6 +36,8 @@ from .options import MethodOptions, parse_options
 from .scorer import Scorer
 
 SKETCH_SEED = 0
+SWAMPING = 1e6  # λ above this many times the curvature's largest eigenvalue leaves (C + λI)⁻¹ = I/λ to 1 part in a million
+SCALE_PROBES = 4  # Rademacher products of the matrix-free estimate of that eigenvalue's bound (one pass over the data)
 
 
 class BlockSolver(ABC):
@@ -78,6 +81,13 @@ class BlockSolver(ABC):
     def product_is_psd(self) -> bool:
         """Whether that matrix is positive semi-definite by construction."""
         return self.curvature.psd
+
+    def curvature_scale(self) -> float:
+        """The fitted block's largest curvature eigenvalue in magnitude, or a bound of it from above: here ‖C‖_F,
+        estimated from SCALE_PROBES products (one pass over the data); solvers that fitted eigenvalues or the matrix
+        itself return what they have."""
+        c = self.curvature
+        return frobenius_estimate(self.curvature_product, c.dim, SCALE_PROBES, SKETCH_SEED, c.dtype, c.device)
 
     def sketch(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, float | None]:
         """Top eigenpairs (values, vectors as columns) of the block's curvature and an estimate of its trace, for the
@@ -225,7 +235,29 @@ class InfluenceFunctionModel(ABC):
         for solver in self.solvers.values():
             solver.fit()
         self._fitted = True
+        self.check_regularization()
         return self
+
+    def check_regularization(self) -> None:
+        """Refuse, once the curvature is fitted, a λ that swamps it: above SWAMPING times a block's largest curvature
+        eigenvalue (or a bound of it from above), (C + λI)⁻¹ is I/λ, so every score is a plain gradient dot product
+        divided by λ (λ=1e300 stores every score as 0), which no curvature method is meant to give. Names the block
+        most swamped."""
+        ratios = {}
+        for name, solver in self.solvers.items():
+            scale = solver.curvature_scale() if solver.lam > 0 else 0.0
+            if math.isfinite(scale) and scale > 0:  # a block without curvature has nothing to swamp
+                ratios[name] = (solver.lam / scale, scale)
+        if not ratios or max(ratios.values())[0] <= SWAMPING:
+            return
+        name = max(ratios, key=lambda block: ratios[block][0])
+        scale, lam = ratios[name][1], self.solvers[name].lam
+        where = "" if name == "all" else f" of block {name!r}"
+        field = f"method.regularization.{name}" if isinstance(getattr(self.options, "regularization", None), dict) else "method.regularization"
+        raise ConfigError(
+            field, f"λ={lam:g} swamps the curvature{where}, whose largest eigenvalue is at most {scale:.2e}: (C + λI)⁻¹ is I/λ there, so the scores would be gradient dot products divided by λ",
+            f"set {field} below {SWAMPING * scale:.1e} ({SWAMPING:g} × that eigenvalue), typically 1e-3 to 1 × it; or use method.name: identity for plain gradient dot products",
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fitted curvature state, to store and restore without fitting again."""

@@ -145,6 +145,9 @@ class KroneckerSolver(BlockSolver):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.q_a, self.q_s, self.eigenvalues = state["q_a"], state["q_s"], state["eigenvalues"]
 
+    def curvature_scale(self) -> float:
+        return float(self.eigenvalues.abs().max())
+
     def rotate(self, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Captured inputs and output gradients into the eigenbasis, so that Σ_t (Q_Sᵀg_t)(Q_Aᵀa_t)ᵀ = Q_Sᵀ G Q_A:
         O(T·(out² + in²)) per example, never rotating a formed (out × in) matrix."""
@@ -226,6 +229,7 @@ class KfacInfluence(InfluenceFunctionModel):
         x, y = next(iter(self.train))
         self.objective.check_outputs(x, y)
         self.install(self.fit_factors(self.train))
+        self.check_regularization()
         return self
 
     def fit_factors(self, batches: Batches) -> dict[str, dict[str, torch.Tensor]]:

@@ -78,6 +78,9 @@ class ArnoldiSolver(BlockSolver):
         self.values, self.vectors = state["eigenvalues"], state["eigenvectors"]
         self.complement_weight = float(state.get("complement_weight", 0.0))
 
+    def curvature_scale(self) -> float:
+        return float(self.values.abs().max())
+
     def feature_rows(self) -> torch.Tensor | None:
         return None if self.complement else self.vectors.T
 
@@ -108,6 +111,9 @@ class NystroemSolver(BlockSolver):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.values, self.basis = state["eigenvalues"], state["basis"]
+
+    def curvature_scale(self) -> float:
+        return float(self.values.max())
 
     def precondition(self, features: torch.Tensor) -> torch.Tensor:
         return woodbury(features, self.basis, 1.0 / (self.values + self.lam), 1.0 / self.lam)

@@ -7,13 +7,15 @@ refuses values out of range.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from enum import Enum
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 import torch
 from torch import nn
 
@@ -67,11 +69,76 @@ def unknown_tag(tag: str, tags: list[str]) -> dict[str, Any]:
     }
 
 
+BOUND_SIGNS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
+
+
+def _bounds(metadata: Any) -> list[str]:
+    """The numeric bounds among a field's constraints (annotated_types' Ge, Gt, Le, Lt, or a Field's), as '≥ 0'."""
+    found = []
+    for item in metadata:
+        inner = getattr(item, "metadata", None)
+        if isinstance(inner, list):  # a Field(ge=...) inside Annotated
+            found += _bounds(inner)
+        for attribute, sign in BOUND_SIGNS.items():
+            if hasattr(item, attribute):
+                found.append(f"{sign} {getattr(item, attribute)}")
+    return found
+
+
+def _is_finite(value: Any) -> bool:
+    """Whether a float (or a text pydantic would read as one, 'inf', 'nan') is finite; anything else is left to pydantic."""
+    try:
+        number = float(value) if isinstance(value, (float, str)) else 0.0
+    except ValueError:
+        return True
+    return math.isfinite(number)
+
+
+def misfit_number(value: Any, hint: Any, bounds: tuple[str, ...] = ()) -> str | None:
+    """What `value` should have been where `hint` takes a number and pydantic's lax mode would read it into one
+    wrongly or into one that means nothing: a bool (true would be 1), a fractional float for an integer, a NaN or
+    infinity. Returns the number wanted ('a whole number ≥ 1', 'a finite number ≥ 0'), or None when it fits."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Annotated:
+        return misfit_number(value, args[0], (*bounds, *_bounds(args[1:])))
+    if origin in (Union, UnionType):
+        if isinstance(value, bool) and bool in args:
+            return None
+        return next((wanted for arg in args if (wanted := misfit_number(value, arg, bounds))), None)
+    if origin is list and isinstance(value, list):
+        return next((wanted for item in value if (wanted := misfit_number(item, args[0], bounds))), None)
+    if origin is dict and isinstance(value, dict):
+        return next((wanted for item in value.values() if (wanted := misfit_number(item, args[1], bounds))), None)
+    limits = "".join(f" {bound}" if i == 0 else f" and {bound}" for i, bound in enumerate(bounds))
+    if hint is int and (isinstance(value, bool) or (isinstance(value, float) and math.isfinite(value) and not value.is_integer())):
+        return f"a whole number{limits}"
+    if hint is float and (isinstance(value, bool) or not _is_finite(value)):
+        return f"a finite number{limits}"
+    return None
+
+
 class Spec(BaseModel):
     """Base for settings: unknown keys are errors, so a typo never passes silently."""
 
     model_config = ConfigDict(extra="forbid", use_enum_values=True, validate_assignment=True, json_schema_extra=plain_optional)
     UNHASHED_AT: ClassVar[dict[str, Any]] = {}  # fields added after runs were stored, and the value that behaves as before
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_numbers(cls, data: Any) -> Any:
+        """A number field never takes a bool (true would be 1), an integer one never a fractional float, and a
+        float one never NaN or infinity (λ=inf scores every example 0): refused, each at its field, naming the
+        number wanted. (A model validator: pydantic allows no field validator before a union's tag field.)"""
+        if not isinstance(data, dict):
+            return data
+        misfits = [
+            InitErrorDetails(type=PydanticCustomError("number_wanted", "Input should be {wanted}", {"wanted": wanted}), loc=(name,), input=value)
+            for name, value in data.items()
+            if name in cls.model_fields and (wanted := misfit_number(value, cls.model_fields[name].annotation, tuple(_bounds(cls.model_fields[name].metadata))))
+        ]
+        if misfits:
+            raise ValidationError.from_exception_data(cls.__name__, misfits)
+        return data
 
     def hashed_dump(self) -> dict[str, Any]:
         """The settings as keys hash them: each field of UNHASHED_AT left out at its value there, so the stages and

@@ -7,6 +7,7 @@ the input (none for a preflight failure), and no stage from that one on has writ
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -164,6 +165,24 @@ def token_labels_without_task(config: dict[str, Any], tmp_path: Path) -> None:
     config["model"] = {"factory": "tests.plugin_models:gpt2_lm", "options": {"n_layer": 1, "n_embd": 16, "vocab_size": 64, "n_positions": 8}}
 
 
+def integer_features(config: dict[str, Any], tmp_path: Path) -> None:
+    """A classifier of integer features (pixel counts 0..16): integer (n, 64) arrays, as token ids would be."""
+    rng = np.random.default_rng(0)
+    npz_dataset(config, tmp_path, x_train=rng.integers(0, 17, (120, 64)), x_test=rng.integers(0, 17, (12, 64)))
+
+
+def language_model(method: dict[str, Any]) -> Callable[[dict[str, Any], Path], None]:
+    """The built-in transformer as a byte-level language model of docstring windows, scored by `method` per token."""
+
+    def change(config: dict[str, Any], tmp_path: Path) -> None:
+        config["dataset"] = {"source": "python_docs", "window": 16, "n_train": 32, "n_test": 2, "chunk_rows": 32}
+        config["model"] = {"architecture": "transformer", "task": "language_modelling", "d_model": 8, "heads": 2, "layers": 1}
+        config["method"] = method
+        config["aggregate"] = {"top_k": 2, "report_queries": 2, "token_scores": True}
+
+    return change
+
+
 def checkpoint_of_other_architecture(config: dict[str, Any], tmp_path: Path) -> None:
     torch.save(nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)).state_dict(), tmp_path / "other.pt")
     config["model"]["checkpoint"] = str(tmp_path / "other.pt")
@@ -240,6 +259,13 @@ PARAMETER_CASES = [
     invalid("a 1 MB model option", both(set_in("model.factory", "tests.plugin_models:dropout_batchnorm_mlp"), set_in("model.options", {"hidden": "x" * 1_000_000})), "model.options.hidden", "not printed"),
     invalid("a 1 MB dataset source", set_in("dataset.source", "x" * 1_000_000), "dataset.source", "not printed"),
     invalid("negative λ of one layer", set_in("method.regularization", {"1": 1e-3, "3": -1.0}), "method.regularization.3", "Fix: set method.regularization.3 to 0.0 or more"),
+    # issue 52: λ=inf scored every example 0 and exited 0, λ=nan was refused asking for "≥ 0", top_k=true became 1
+    invalid("λ = .inf", set_in("method.regularization", math.inf), "method.regularization", "Input should be a finite number ≥ 0. Fix: set method.regularization to a finite number ≥ 0"),
+    invalid("λ = .nan", set_in("method.regularization", math.nan), "method.regularization", "Input should be a finite number ≥ 0. Fix: set method.regularization to a finite number ≥ 0"),
+    invalid("top_k = true", set_in("aggregate.top_k", True), "aggregate.top_k", "Input should be a whole number ≥ 1. Fix: set aggregate.top_k to a whole number ≥ 1"),
+    invalid("top_k = 2.5", set_in("aggregate.top_k", 2.5), "aggregate.top_k", "a whole number ≥ 1"),
+    invalid("per-token scores of a classifier with integer features", both(integer_features, set_in("aggregate.token_scores", True)), "aggregate.token_scores",
+            "the task is classification", "model.task: language_modelling"),
 ]
 
 RUNTIME_CASES = [
@@ -278,6 +304,19 @@ RUNTIME_CASES = [
          ("column 'x' of data.parquet", "missing value (null) in row 30"), ["prepare_data"]),
     Case("null in a float list column of Parquet", parquet_with_a_null(np.random.default_rng(0).random((120, 64)), 54), "dataset.path",
          ("column 'x' of data.parquet", "missing value (null) in row 54"), ["prepare_data"]),
+    # issue 52: λ=1e300 scored every example 0 (exit 0); a random forward pass failed MAGIC's replay after its work,
+    # with a traceback; batch norm without running statistics raised in fit_model's probe; cg's per-token scores of a
+    # language model were refused only in aggregate, naming positions.weight
+    Case("λ = 1e300 swamps the curvature", set_in("method.regularization", 1e300), "method.regularization", ("λ=1e+300 swamps the curvature", "set method.regularization below"),
+         ["prepare_data", "fit_model", "fit_preconditioner"]),
+    Case("MAGIC with F.dropout in forward", both(set_in("method", {"name": "magic"}), set_in("model", {"factory": "tests.plugin_models:random_forward"})), "model",
+         ("training mode is random", "set every dropout probability to 0", "method.name"), ["prepare_data"]),  # before training
+    Case("MAGIC with noise in forward", both(set_in("method", {"name": "magic"}), set_in("model", {"factory": "tests.plugin_models:random_forward", "options": {"kind": "noise"}})), "model",
+         ("training mode is random", "torch.randn"), ["prepare_data"]),
+    Case("batch norm without running statistics", set_in("model", {"factory": "tests.plugin_models:batch_statistics_mlp"}), "model",
+         ("one example alone", "track_running_stats=False", "track_running_stats=True"), ["prepare_data", "fit_model"]),  # before training
+    Case("per-token scores of cg over position embeddings", language_model({"name": "cg", "regularization": 1e-3}), "method.modules",
+         ("positions.weight", "per-token scores", "set method.modules to layers applied at every token", "tokens, blocks.0.attention.query"), ["prepare_data"]),
 ]
 
 

@@ -19,7 +19,7 @@ from influence_core.pipeline.store import storage
 from influence_core.pipeline.runtime.cluster import dask_client
 from influence_core.pipeline.stages.validation import subset_mask
 from influence_core.pipeline.report.verify import verify_run
-from tests.helpers import read_outputs, small_params
+from tests.helpers import latest_task_runs, read_outputs, small_params
 
 OVERRIDES = {
     "dataset": {"n_train": 48, "n_test": 6, "chunk_rows": 16},
@@ -32,7 +32,7 @@ OVERRIDES = {
 def _library_scores(params: RunParameters, arrays: dict[str, np.ndarray]) -> np.ndarray:
     """The reference: the library's metagradients for the run's recipe, from the initial weights of its seed."""
     torch.manual_seed(params.training.seed)
-    model = params.model.build(64, 10, (64,)).double()
+    model = params.model.build(64, 10, (64,)).to(getattr(torch, params.model.dtype))
     x, y, xq, yq = (torch.from_numpy(arrays[name]) for name in ("x_train", "y_train", "x_test", "y_test"))
     return metagradients(model, params.model.make_task(), params.training.recipe(), x, y, xq, yq).scores.numpy()
 
@@ -107,3 +107,31 @@ def test_what_cannot_be_replayed_is_refused_in_one_line(tmp_path, section, value
     with pytest.raises(ConfigError) as refused:
         RunParameters.from_sections(output_url=str(tmp_path / "run"), **{**OVERRIDES, section: {**OVERRIDES.get(section, {}), **value}})
     assert refused.value.field == field and "\n" not in str(refused.value)
+
+
+def test_scores_that_overflow_fail_their_stage_in_one_line_and_are_never_served(tmp_path, prefect_api):
+    """Issue 52: 400 steps at learning rate 1 in float32 overflow the metagradients (the issue's digits run: 1,024
+    epochs). The block's task fails naming the stage, how many scores, the cause and the fix; compute_influences
+    writes no manifest and no Prefect cache entry, so the same parameters are refused again, not served broken
+    scores, and fewer epochs then run to the library's scores (in the same output, which the refused run held)."""
+    over = {
+        **OVERRIDES, "dataset": {"n_train": 16, "n_test": 4, "chunk_rows": 16}, "model": {"hidden": [4]}, "compute": {"cluster": "sequential", "torch_threads": 1},
+        "training": {"epochs": 400, "batch_size": 16, "learning_rate": 1.0, "seed": 3}, "method": {"name": "magic", "query_block": 2}, "aggregate": {"top_k": 2, "report_queries": 2},
+    }
+    url = str(tmp_path / "run")
+    params = small_params(url, **over)
+    for attempt in range(2):
+        with pytest.raises(ConfigError) as refused:
+            influence_run(**params.sections())
+        error = refused.value
+        assert error.field == "compute_influences" and "scores of query block 0 are NaN or infinite" in error.problem and "\n" not in str(error)
+        assert "overflowed in the reverse pass through 400 training steps" in error.problem and "fewer training.epochs" in error.fix and "model.dtype: float64" in error.fix
+        assert latest_task_runs(url) == {"prepare_data": "COMPLETED", "fit_model": "COMPLETED", "compute_influences": "FAILED"}, attempt  # fit_model cached the second time: COMPLETED
+        assert not list((tmp_path / "run" / "stages" / "compute_influences").glob("*/manifest.json"))
+    fixed = small_params(url, overwrite=True, **{**over, "training": {**over["training"], "epochs": 40}})  # the refused run holds the output: replaced
+    summary = influence_run(**fixed.sections())
+    _, outputs = read_outputs(fixed.store())
+    arrays = {name: np.asarray(a[...]) for name, a in storage.open_group(summary["stages"]["prepare_data"]["url"], {}, mode="r").arrays()}
+    expected = _library_scores(fixed, arrays)
+    assert np.isfinite(outputs["scores"]).all()
+    np.testing.assert_allclose(outputs["scores"], expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flows.influence_run import influence_run
+from flows.parameters import RunParameters
 from influence_core import EkfacInfluence
 from influence_core.errors import ConfigError
 from influence_core.projection import Projection
@@ -55,7 +56,28 @@ def test_top_k_token_scores_equal_the_library_and_sum_to_the_scores(tmp_path, pr
     assert best == rows[1].helpful[0].index
 
 
-def test_token_scores_without_tokens_are_refused_before_training(tmp_path):
-    params = small_params(str(tmp_path / "digits"), aggregate={"top_k": 2, "token_scores": True})
-    with pytest.raises(ConfigError, match=r"^aggregate.token_scores: the training inputs are not \(n, T\) integer token ids"):
+def test_token_scores_of_a_classifier_are_refused_before_any_stage(tmp_path):
+    with pytest.raises(ConfigError, match=r"^aggregate.token_scores: per-token scores split a language model's scores .* the task is classification. Fix: .*model.task: language_modelling"):
+        RunParameters.from_sections(output_url=str(tmp_path / "digits"), aggregate={"top_k": 2, "token_scores": True})
+
+
+def test_cg_is_refused_before_training_naming_method_modules_and_runs_with_the_modules_named(tmp_path):
+    """cg attributes every parameter: position embeddings and norms take vmap gradients, without positions. Refused
+    after prepare_data, before any training, naming method.modules and the layers that split; with those, the run's
+    per-token scores sum to its scores (`verify`)."""
+    settings = {
+        "dataset": {"source": "python_docs", "window": 16, "n_train": 32, "n_test": 2, "chunk_rows": 32},
+        "model": {"architecture": "transformer", "task": "language_modelling", "d_model": 8, "heads": 2, "layers": 1},
+        "training": {"epochs": 1}, "aggregate": {"top_k": 2, "report_queries": 2, "token_scores": True},
+    }
+    params = small_params(str(tmp_path / "text"), method={"name": "cg", "regularization": 1e-2}, **settings)
+    with pytest.raises(ConfigError) as refused:
         influence_run(**params.sections())
+    assert refused.value.field == "method.modules" and "positions.weight" in refused.value.problem
+    assert not (tmp_path / "text" / "stages" / "fit_model").exists()
+    modules = refused.value.fix.split("[")[1].split("]")[0].split(", ")
+    assert modules == ["tokens", "blocks.0.attention.query", "blocks.0.attention.key", "blocks.0.attention.value", "blocks.0.attention.out", "blocks.0.up", "blocks.0.down", "head"]
+    named = small_params(str(tmp_path / "text"), method={"name": "cg", "regularization": 1e-2, "modules": modules}, **settings)
+    influence_run(**named.sections())
+    checks = {check.name: check for check in verify_run(named.store())}
+    assert checks["topk_helpful_token_scores"].ok and all(c.ok for c in checks.values())

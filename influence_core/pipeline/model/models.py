@@ -134,6 +134,7 @@ def probe_forward(objective: Objective, spec: ModelSpec, x: Any, y: torch.Tensor
         raise user_error("model", f"{name}'s forward", exc, "correct the model's forward pass, or give it inputs it takes") from None
     if not isinstance(out, torch.Tensor):
         raise ConfigError("model", f"the forward pass of {name} returns a {type(out).__name__}, not a tensor", "return the outputs (e.g. the logits) as one tensor, or a Hugging Face output with .logits; wrap the model to pick them")
+    objective.check_alone(xs)  # as every per-example gradient takes it
 
 
 def train(model: nn.Module, spec: ModelSpec, training: TrainingSpec, x: Any, y: Any, weights: torch.Tensor | None = None) -> None:

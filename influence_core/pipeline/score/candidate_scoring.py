@@ -22,6 +22,7 @@ from distributed import Client
 
 from ..store import integrity, storage
 from .chunks import ChunkJob, ChunkWorker, Progress, execute
+from .finite import stored_scores
 from .knn_prefilter import build_index, candidate_entries, index_kind, module_features, nearest
 from ... import examples
 from ...errors import ConfigError, NumericalError
@@ -59,7 +60,7 @@ class CandidateJob(ChunkJob):
         assert scores is not None
         q, j, c = candidate_entries(rows, candidates)
         entries = q * candidates.shape[1] + j
-        values = scores.detach().cpu()[torch.from_numpy(q), torch.from_numpy(c)].numpy().astype(np.float32)
+        values = stored_scores(scores.detach().cpu()[torch.from_numpy(q), torch.from_numpy(c)].numpy(), f"candidate scores of train chunk {index}")
         _save_npy(self.path("parts", f"{index}.npy"), np.stack([entries.astype(np.float64), values.astype(np.float64)]), self.options)
 
     @property

@@ -24,6 +24,7 @@ from ..store import storage
 from ... import examples
 from ...errors import ConfigError
 from .chunks import ChunkJob, ChunkWorker, Progress, execute
+from .finite import stored_scores
 from .layout import DIMENSIONS
 from ..model.models import load_stored
 from ..store.refs import DataRef, IndexRef, ScoresRef
@@ -92,10 +93,10 @@ class ScoreJob(ChunkJob):
         scores, self_inf = worker(x, y)
         assert scores is not None
         scores_out, self_out = worker.held
-        scores_out[:, lo:hi] = scores.detach().cpu().numpy().astype(np.float32)
+        scores_out[:, lo:hi] = stored_scores(scores.detach().cpu().numpy(), f"scores of train chunk {index}", "queries")
         if self_out is not None:
             assert self_inf is not None
-            self_out[lo:hi] = self_inf.detach().cpu().numpy().astype(np.float32)
+            self_out[lo:hi] = stored_scores(self_inf.detach().cpu().numpy(), f"self-influences of train chunk {index}")
 
     def objects(self, index: int) -> list[str]:
         """The shards of train chunk `index` in the scores (every query row's) and its self-influences' chunk."""
@@ -138,10 +139,10 @@ class IndexScoreJob(ScoreJob):
         lo, hi = self.stage.layout.bounds(index)
         scores, values = worker.rows(lo, hi)
         scores_out, self_out = worker.held
-        scores_out[:, lo:hi] = scores.cpu().numpy().astype(np.float32)
+        scores_out[:, lo:hi] = stored_scores(scores.cpu().numpy(), f"scores of train chunk {index} (from the training index)", "queries")
         if self_out is not None:
             assert values is not None
-            self_out[lo:hi] = values.astype(np.float32)
+            self_out[lo:hi] = stored_scores(values, f"self-influences of train chunk {index} (from the training index)")
 
 
 def _projects_factors(member: Member) -> bool:

@@ -13,7 +13,10 @@ from ... import examples
 from ...contraction import LayerRows, Rows
 from ...errors import ConfigError
 from ...methods.scorer import Scorer
+from ..model.models import build_model
+from ..specs import MethodSpec, ModelSpec
 from ..store.loading import load_influence_model, open_data, read_factors, train_batches
+from ..store.refs import DataRef
 from .score_input import ScoringInput
 from ..runtime.threads import TASK_THREADS, torch_threads
 
@@ -25,6 +28,26 @@ def token_positions(data: dict[str, Any]) -> int:
     if ids is None or len(ids.shape) != 2 or np.dtype(ids.dtype).kind not in "iu":
         raise ConfigError("aggregate.token_scores", "the training inputs are not (n, T) integer token ids", "switch aggregate.token_scores off for data without tokens")
     return int(ids.shape[1])
+
+
+def check_token_scores(method: MethodSpec, model: ModelSpec, data: DataRef, arrays: dict[str, Any]) -> None:
+    """Before training, for a run with aggregate.token_scores (a language model's: RunParameters checks the task): the
+    inputs are token ids, and the method around the untrained model attributes only parameters whose gradients the
+    contraction splits by position (`Scorer`'s per-token scores), each layer at every token: else `method.modules`
+    is named, with the layers that would do."""
+    positions = token_positions(arrays)
+    im = method.build(build_model(model, data), model.make_task())
+    split = im.gradient_split(examples.read(arrays["x_train"], slice(0, 8)), examples.read(arrays["y_train"], slice(0, 8)))
+    everywhere = [cut.name for cut in split.cuts if split.positions.get(cut.name, positions) == positions]  # an embedding's capture is its ids, one per token
+    shown = ", ".join(everywhere[:8]) + (", ..." if len(everywhere) > 8 else "")
+    fix = f"set method.modules to layers applied at every token (Linear, Conv1D, Embedding): [{shown}], or use method.name: kfac or ekfac, which track only Linear layers"
+    vmapped = [] if split.rest is None else split.rest.space.names
+    if vmapped:
+        shown = ", ".join(vmapped[:4]) + (", ..." if len(vmapped) > 4 else "")
+        raise ConfigError("method.modules", f"per-token scores split each parameter's gradient by token position, but {shown} take per-example gradients by vmap, which keep no positions (position embeddings of arange(T), norms)", fix)
+    fewer = {name: t for name, t in split.positions.items() if t != positions}
+    if fewer:
+        raise ConfigError("method.modules", f"per-token scores split each layer's gradient over the T={positions} token positions, but layers {fewer} run at other numbers of positions (pooled, or applied once)", fix)
 
 
 def query_rows(factors: torch.Tensor | Rows, queries: slice) -> torch.Tensor | Rows:

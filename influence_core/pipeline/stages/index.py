@@ -34,6 +34,7 @@ from ...self_influence import SelfInfluencePlan, describe
 from ...work import Work, forward_flops
 from ..runtime.cluster import place
 from ..score.chunks import ChunkJob, Progress, execute
+from ..score.finite import check_finite
 from ..score.layout import MIN_TASKS
 from ..store.loading import first_training_row, index_projection, keep_whitening, load_influence_model, training_rows
 from ..store.refs import WHITENING_FILE, DataRef, IndexRef, ModelRef, StageRef
@@ -118,9 +119,14 @@ class IndexJob(ChunkJob):
         """Index chunk `index`: its rows' features and self-influences, written in place."""
         lo, hi = self.bounds(index)
         features, values = worker.scorer.features(examples.read(worker.x, slice(lo, hi)), examples.read(worker.y, slice(lo, hi)), worker.project)
-        worker.features[lo:hi] = features.detach().to(getattr(torch, str(worker.features.dtype))).cpu().numpy()  # torch narrows 2.5x faster than numpy
+        check_finite("index_training", features, f"index features of train chunk {index}")
+        stored = worker.features.dtype
+        narrowed = features.detach().to(getattr(torch, str(stored)))  # torch narrows 2.5x faster than numpy
+        check_finite("index_training", narrowed, f"index features of train chunk {index} as {stored}", f"they exceed {stored}'s range", "set compute.index_dtype: float32, then run again")
+        worker.features[lo:hi] = narrowed.cpu().numpy()
         if worker.self_influence is not None:
             assert values is not None
+            check_finite("index_training", values, f"self-influences of train chunk {index}")
             worker.self_influence[lo:hi] = values.detach().cpu().numpy()
 
 

@@ -23,6 +23,7 @@ from ...errors import ConfigError, NumericalError
 from ...magic import metagradients
 from ...work import Work
 from ..score.chunks import ChunkJob, Progress, execute
+from ..score.finite import check_finite
 from ..score.layout import DIMENSIONS, INNER_CHUNK_BYTES
 from ..store.loading import load_model, open_data
 from ..model.models import build_model
@@ -126,7 +127,15 @@ class MagicJob(ChunkJob):
             xq, yq = examples.read(worker.x_test, slice(lo, hi)), examples.read(worker.y_test, slice(lo, hi))
             result = metagradients(model, stage.model_spec.make_task(), stage.training.recipe(), worker.x, worker.y, xq, yq, stage.method.checkpoint_every)
         _check_retraced(result.final, worker.trained)
-        worker.scores[lo:hi, :] = result.scores.detach().cpu().numpy().astype(np.float32)
+        scores = result.scores.detach().cpu().numpy().astype(np.float32)
+        steps = stage.training.recipe().steps(stage.data.n_train)
+        wider = ", or set model.dtype: float64" if stage.model_spec.dtype == "float32" else ""
+        check_finite(
+            "compute_influences", scores, f"scores of query block {index}",
+            f"method magic's metagradients overflowed in the reverse pass through {steps:,} training steps (they can grow with every step)",
+            f"train for fewer training.epochs or with a smaller training.learning_rate{wider}, then run again", "queries", lo,
+        )
+        worker.scores[lo:hi, :] = scores
         worker._work.replayed_steps += result.work.replayed_steps
 
 

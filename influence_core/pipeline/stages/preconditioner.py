@@ -19,10 +19,11 @@ from distributed import Client
 
 from ... import examples
 from ...batches import ArrayBatches
-from ...magic import check_replayable
+from ...magic import check_deterministic, check_replayable
 from ...methods import KfacInfluence
 from ...methods.kfac import Sums, factor_bases, merge
-from ..model.models import build_model
+from ..model.models import build_model, probe_forward
+from ...objective import Objective
 from ...reduction import pairwise_sum, summed_tasks
 from ...work import forward_flops
 from ..runtime.cluster import place
@@ -132,12 +133,18 @@ def factor_flops(im: KfacInfluence, x: Any, n_rows: int) -> float:
     return passes * FACTOR_PASS_FORWARDS * forward_flops(im.objective.model, x) * n_rows / examples.count(x)
 
 
-def check_method(method: MethodSpec, model: ModelSpec, data: DataRef) -> None:
+def check_method(method: MethodSpec, model: ModelSpec, data: DataRef, arrays: dict[str, Any]) -> None:
     """Before training: build the method around the untrained model, so that what depends only on the model's
     structure (module names in `method.modules` or a per-layer λ, λ > 0 where the method needs it) is refused in
-    seconds, not after training; method magic, that the model's training can be replayed."""
+    seconds, not after training; method magic, that the model's training can be replayed (no dropout modules nor
+    running statistics, and a forward pass in training mode that draws no random numbers on the first training rows;
+    a forward pass that fails there is told as fit_model's probe tells it)."""
     if isinstance(method, MagicMethod):
-        check_replayable(build_model(model, data))
+        untrained = build_model(model, data)
+        check_replayable(untrained)
+        x, y = examples.read(arrays["x_train"], slice(0, 64)), examples.read(arrays["y_train"], slice(0, 64))
+        probe_forward(Objective(untrained, model.make_task()), model, x, y)
+        check_deterministic(untrained, x)
         return
     method.build(build_model(model, data), model.loss)
 
@@ -155,6 +162,7 @@ def _fit(stage: PreconditionerInput, client_factory: Callable[[], Any], loc: Sta
         ran = placement.ran
         state = on_device(state, stage.compute.torch_device)
         im.load_state_dict({f"{block}/{key}": value for block, values in state.items() for key, value in values.items()}, train=batches)
+        im.check_regularization()  # as the library's fit does, from the factors' eigenvalues
     else:
         im.fit(batches)
         ran = "in the flow's process"

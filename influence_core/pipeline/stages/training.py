@@ -13,6 +13,7 @@ from ...objective import Objective
 from ..model.models import build_model, checkpoint_content, check_model_fits, evaluate, load_into, load_state, save_stored, state_bytes, train
 from ..store.refs import DataRef, ModelRef
 from ..specs import CandidatesSpec, ModelSpec, TrainingSpec
+from ..score.finite import check_finite
 from ..store.loading import load_model, open_data
 from ..store.stage import StageCall, StageInput, StageLocation
 from ..store.run_store import RunStore
@@ -65,6 +66,7 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         check_model_fits(model, spec, arrays)
         if not spec.checkpoint:
             train(model, spec, training, arrays["x_train"], arrays["y_train"])
+        _check_weights(model, spec)
         task = spec.make_task()
         metrics = evaluate(model, task, arrays["x_train"], arrays["y_train"], "train")  # the queries' are each run's: query_metrics
     raw = state_bytes(model)
@@ -86,6 +88,17 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         "train_loss": None if spec.checkpoint else metrics["train_loss"],
         "metrics": metrics,
     }
+
+
+def _check_weights(model: torch.nn.Module, spec: ModelSpec) -> None:
+    """NaN or infinite weights, from a training that diverged or in a checkpoint, would make every later stage's
+    numbers NaN: refused here, before the model is stored."""
+    wider = ", or set model.dtype: float64" if spec.dtype == "float32" else ""
+    for name, weights in model.named_parameters():
+        if spec.checkpoint:
+            check_finite("fit_model", weights.detach(), f"weights of {name} in the checkpoint", "the checkpoint is damaged or its training diverged", "load a checkpoint whose weights are finite")
+        else:
+            check_finite("fit_model", weights.detach(), f"trained weights of {name}", "the training diverged", f"lower training.learning_rate or train for fewer training.epochs{wider}, then run again")
 
 
 def run(stage: TrainingInput) -> ModelRef:
