@@ -39,7 +39,7 @@ def refused_twice(params: Any, stage: str) -> ConfigError:
         with pytest.raises(ConfigError) as refused:
             influence_run(**params.sections())
         assert refused.value.field == stage and "NaN or infinite" in refused.value.problem and "\n" not in str(refused.value)
-        assert latest_task_runs(params.output_url)[stage] == "FAILED"
+        assert latest_task_runs(params.output_url, stage)[stage] == "FAILED"
         assert not list((root / "stages" / stage).glob("*/manifest.json"))
     return refused.value
 
@@ -80,4 +80,4 @@ def test_a_training_that_diverges_fails_fit_model(tmp_path):
     params = small_params(str(tmp_path / "run"), training={"epochs": 2, "learning_rate": 1e30})
     error = refused_twice(params, "fit_model")
     assert "trained weights of" in error.problem and "the training diverged" in error.problem and "lower training.learning_rate" in error.fix
-    assert latest_task_runs(params.output_url) == {"prepare_data": "COMPLETED", "fit_model": "FAILED"}
+    assert latest_task_runs(params.output_url, "fit_model") == {"prepare_data": "COMPLETED", "fit_model": "FAILED"}
