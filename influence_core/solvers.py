@@ -80,6 +80,24 @@ class Progress:
         return f"{pace}; about {needed} more iterations ({duration(needed * per_iteration)}) at this rate"
 
 
+class PassProgress:
+    """Logs the training rows a pass over the data has done, its time so far and an estimate of what is left, at
+    least every PROGRESS_SECONDS (forming an explicit curvature matrix, say)."""
+
+    def __init__(self, what: str, rows: int) -> None:
+        self.what, self.rows = what, rows
+        self.start = self.last = time.monotonic()
+
+    def step(self, done: float) -> None:
+        """`done` rows of the pass are finished (a fraction of a batch's rows when its work is split further)."""
+        now = time.monotonic()
+        if now - self.last < PROGRESS_SECONDS or done <= 0:
+            return
+        self.last = now
+        elapsed = now - self.start
+        log.info("%s: %.0f of %d training rows, %s so far, about %s left", self.what, done, self.rows, duration(elapsed), duration(elapsed * (self.rows - done) / done))
+
+
 @dataclass(frozen=True)
 class SolveInfo:
     iterations: int
