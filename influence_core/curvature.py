@@ -26,6 +26,10 @@ MODE_NAMES = {"hessian": "Hessian", "gauss_newton": "Gauss-Newton"}
 # Measured on W2 (MLP 100-256-256-10, 500 queries, 4,000 rows), A/B against 64 vectors per call: LiSSA (20 steps of
 # 256 rows) 33.0/33.4 s -> 24.2/24.2 s, Gauss-Newton CG 43.1/41.2 s -> 37.9/38.8 s, scores bit-identical.
 PRODUCT_ACTIVATION_BYTES = 32 * 2**20
+# The identity's products (an explicit matrix) take four times that budget per call: measured on issue 52's CNN (p =
+# 3,657, 256 rows, hessian) 127 -> 70 µs of CPU per (vector, row) product, on an MLP 100-256-256-10 35 -> 28 µs
+# (hessian) and 43 -> 25 µs (Gauss-Newton); 16 times gained nothing more on the CNN. Not measured for CG and LiSSA.
+IDENTITY_BUDGET_SCALE = 4
 GRAM_ROWS_BYTES = 64 * 2**20  # Gauss-Newton rows (examples × Fisher columns × p) formed and multiplied at once
 GRAM_PANEL = 256  # rows per panel of a Gram matrix: the panels on and above the diagonal only, (k+1)/2k of the flops
 
@@ -61,17 +65,17 @@ class CurvatureOperator:
             self._n = count_rows(self.batches)
         return self._n
 
-    def vectors_per_call(self, x: torch.Tensor) -> int:
-        """How many vectors one product call over the rows `x` takes, so its activations fit the budget."""
+    def vectors_per_call(self, x: torch.Tensor, scale: int = 1) -> int:
+        """How many vectors one product call over the rows `x` takes, so its activations fit the budget (times `scale`)."""
         if self._activation_bytes is None:
             self._activation_bytes = max(1, self.objective.activation_bytes(examples.take(x, slice(0, 8))))
-        return max(1, self.activation_budget // (examples.count(x) * self._activation_bytes))
+        return max(1, scale * self.activation_budget // (examples.count(x) * self._activation_bytes))
 
-    def _products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+    def _products(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor, scale: int = 1) -> Iterator[tuple[slice, torch.Tensor]]:
         """(rows of `vectors`, their product with this batch's mean-loss curvature), `vectors_per_call` rows at a time."""
         setup = self.objective.hessian_product if self.mode == "hessian" else self.objective.gauss_newton_product
         product = setup(x, y)  # the batch's graph once, then one call per slice of vectors
-        step = self.vectors_per_call(x)
+        step = self.vectors_per_call(x, scale)
         for start in range(0, len(vectors), step):
             rows = slice(start, start + step)
             yield rows, product(vectors[rows])
@@ -148,7 +152,7 @@ class CurvatureOperator:
         for x, y in self.batches:
             finished = 0  # vectors of this batch multiplied so far
             for total, vectors_b, b in zip(totals, units, blocks):
-                for rows, product in self._products(x, y, vectors_b):
+                for rows, product in self._products(x, y, vectors_b, IDENTITY_BUDGET_SCALE):
                     total[rows].add_(product[:, b], alpha=len(y) / n)
                     progress.step(done + len(y) * (finished + min(rows.stop, len(vectors_b))) / vectors)
                 finished += len(vectors_b)
