@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal, Union
+from typing import Literal, Union
 
 import torch
 
 from .batches import Batches
+from .curvature import CurvatureOperator, embed
 from .errors import ConfigError
 from .params import ParamSpace
 from .work import Work
-
-if TYPE_CHECKING:  # the operator's module takes `embed` from here
-    from .curvature import CurvatureOperator
 
 BlockStructure = Literal["full", "layer_wise"]
 Regularization = Union[float, dict[str, float]]
@@ -56,13 +54,6 @@ def block_regularization(blocks: dict[str, slice], value: Regularization, positi
             bound = "> 0" if positive else ">= 0"
             raise ConfigError("method.regularization", f"{method} got λ={lam} for block {name!r}", f"use a value {bound}, e.g. 1e-3")
     return lams
-
-
-def embed(vectors: torch.Tensor, block: slice, dim: int) -> torch.Tensor:
-    """Rows of a block's coordinates (k, p_block) as rows of length `dim`, zero outside the block."""
-    full = vectors.new_zeros(len(vectors), dim)
-    full[:, block] = vectors
-    return full
 
 
 class BlockCurvature:

@@ -11,10 +11,9 @@ import torch
 
 from . import examples
 from .batches import Batches, count_rows
-from .blocks import embed
-from .layers import resolve_fisher
 from .objective import Objective, UntraceableModel
 from .solvers import PassProgress
+from .task.base import resolve_fisher
 from .work import Work
 
 log = logging.getLogger(__name__)
@@ -158,6 +157,13 @@ class CurvatureOperator:
                 finished += len(vectors_b)
             done += len(y)
         return [(total + total.T) / 2 for total in totals]
+
+
+def embed(vectors: torch.Tensor, block: slice, dim: int) -> torch.Tensor:
+    """Rows of a block's coordinates (k, p_block) as rows of length `dim`, zero outside the block."""
+    full = vectors.new_zeros(len(vectors), dim)
+    full[:, block] = vectors
+    return full
 
 
 def add_gram(total: torch.Tensor, rows: torch.Tensor, work: Work) -> None:
