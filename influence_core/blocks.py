@@ -9,7 +9,7 @@ from typing import Literal, Union
 import torch
 
 from .batches import Batches
-from .curvature import CurvatureOperator
+from .curvature import CurvatureOperator, embed
 from .errors import ConfigError
 from .params import ParamSpace
 from .work import Work
@@ -60,26 +60,24 @@ def block_regularization(blocks: dict[str, slice], value: Regularization, positi
 class BlockCurvature:
     """The curvature restricted to one parameter block: products with block vectors, training gradients, sampling."""
 
-    def __init__(self, operator: CurvatureOperator, block: slice, name: str) -> None:
+    def __init__(self, operator: CurvatureOperator, block: slice, name: str, partition: tuple[slice, ...] | None = None) -> None:
+        """`partition`: the blocks whose explicit matrices are formed together with this one's (all of the method's)."""
         self.operator, self.block, self.name = operator, block, name
+        self.partition = partition or (block,)
         self.dim = block.stop - block.start
         self.whole = self.dim == operator.dim
 
     def _embed(self, vectors: torch.Tensor) -> torch.Tensor:
-        if self.whole:
-            return vectors
-        full = vectors.new_zeros(len(vectors), self.operator.dim)
-        full[:, self.block] = vectors
-        return full
+        return vectors if self.whole else embed(vectors, self.block, self.operator.dim)
 
     def matmat(self, vectors: torch.Tensor) -> torch.Tensor:
         """Rows of `vectors` (k, p_block) times the block's curvature, in one pass over the data."""
         return self.operator.matmat(self._embed(vectors))[:, self.block]
 
     def dense(self) -> torch.Tensor:
-        """The explicit block matrix, from products with the identity, symmetrised."""
-        mat = self.matmat(torch.eye(self.dim, dtype=self.dtype, device=self.device))
-        return (mat + mat.T) / 2
+        """The explicit block matrix, float64 and symmetric, formed in one pass over the data with the other blocks
+        of its partition (`CurvatureOperator.dense_blocks`)."""
+        return self.operator.dense_block(self.block, self.partition)
 
     def batch_matmat(self, x: torch.Tensor, y: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
         """The same product with one batch's curvature (for stochastic methods)."""

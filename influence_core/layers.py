@@ -26,10 +26,10 @@ from .blocks import ROOT_BLOCK
 from .errors import ConfigError
 from .noise import ExampleNoise
 from .task import Task
+from .task.base import resolve_fisher
 
 LAYER_TYPES = ("Linear", "Conv2d", "Conv1D")  # Conv1D: transformers' transposed linear layer (GPT-2's projections)
 FisherKind = Literal["auto", "exact", "sampled"]
-EXACT_FISHER_MAX_PASSES = 64  # "auto" takes the exact expectation up to this many backward passes per example, samples above
 
 
 def layer_type(module: nn.Module) -> str | None:
@@ -327,14 +327,6 @@ def capture(
         for layer, g in zip(layers, found):
             grads[layer.name].append(layer.output_grads(g.detach(), inputs[layer.name]))
     return Capture(inputs, grads)
-
-
-def resolve_fisher(kind: str, passes: int) -> str:
-    """'auto' → 'exact' when the exact Fisher takes at most EXACT_FISHER_MAX_PASSES backward passes per example
-    (one per column of its square root), else 'sampled' (one per draw); whatever the task, callable losses included."""
-    if kind != "auto":
-        return kind
-    return "exact" if passes <= EXACT_FISHER_MAX_PASSES else "sampled"
 
 
 def fisher_cotangents(task: Task, out: torch.Tensor, y: torch.Tensor, kind: str, noise: ExampleNoise | None, offset: int, samples: int) -> list[torch.Tensor]:

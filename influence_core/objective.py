@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -77,13 +78,26 @@ class Objective:
         vectorised with vmap over grad."""
         x, y = self.to_model(x, y)
         self.work.gradient_rows += examples.count(x)
-        try:
+        with traceable():
             grads = vmap(grad(self._sample_measurement if measure else self._sample_loss), in_dims=(None, 0, 0))(self.params, x, y)
-        except RuntimeError as error:
-            if "data-dependent control flow" in str(error):
-                raise untraceable_model() from error
-            raise
         return self.space.flatten(grads, batch_dims=1)
+
+    def gauss_newton_rows(self, x: examples.Inputs, y: torch.Tensor) -> torch.Tensor:
+        """Rows R (n·K, p) with RᵀR = Σ_i J_iᵀ ∇²ℓ_i(f) J_i, this batch's summed Gauss-Newton matrix: J_iᵀ L_ik for
+        each example i and each of the K columns L_ik of the task's exact square root of its output Hessian
+        (`Task.exact_fisher`), by vmap over examples and columns of the gradient of ⟨f(x_i), L_ik⟩; counted as n·K
+        gradient rows."""
+        x, y = self.to_model(x, y)
+        with torch.no_grad():
+            columns = torch.stack(self.task.exact_fisher(self.outputs(self.params, x), y), dim=1)  # (n, K, *output)
+
+        def pseudo_loss(params: Params, xi: examples.Inputs, column: torch.Tensor) -> torch.Tensor:
+            return (self.outputs(params, examples.single(xi))[0] * column).sum()
+
+        with traceable():
+            grads = vmap(vmap(grad(pseudo_loss), in_dims=(None, None, 0)), in_dims=(None, 0, 0))(self.params, x, columns)
+        self.work.gradient_rows += columns.shape[0] * columns.shape[1]
+        return self.space.flatten(grads, batch_dims=2).reshape(-1, self.space.dim)
 
     def hessian_product(self, x: torch.Tensor, y: torch.Tensor) -> MatMat:
         """`V ↦ V·H` for the Hessian of this batch's mean loss, applied to rows of V (k, p) as often as needed.
@@ -182,11 +196,24 @@ class Objective:
                 )
 
 
-def untraceable_model() -> ConfigError:
+class UntraceableModel(ConfigError):
     """vmap's refusal of a forward pass that branches on an example's values, told as the model's fix (Hugging Face's
     SDPA mask is skipped when `attention_mask.all()`)."""
-    return ConfigError(
-        "model", "its forward pass branches on the values of one example's inputs (a Python `if` on a tensor or `.item()`; Hugging Face's "
-        "sdpa/flash attention does so on a 2-D attention_mask), which per-example gradients (vmap) cannot trace",
-        'load a transformers model with attn_implementation="eager", or compute the branch with tensor ops (torch.where)',
-    )
+
+    def __init__(self) -> None:
+        super().__init__(
+            "model", "its forward pass branches on the values of one example's inputs (a Python `if` on a tensor or `.item()`; Hugging Face's "
+            "sdpa/flash attention does so on a 2-D attention_mask), which per-example gradients (vmap) cannot trace",
+            'load a transformers model with attn_implementation="eager", or compute the branch with tensor ops (torch.where)',
+        )
+
+
+@contextmanager
+def traceable() -> Iterator[None]:
+    """Per-example vmap over the model, its refusal of data-dependent control flow raised as `UntraceableModel`."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "data-dependent control flow" in str(error):
+            raise UntraceableModel() from error
+        raise

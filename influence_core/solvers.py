@@ -80,6 +80,26 @@ class Progress:
         return f"{pace}; about {needed} more iterations ({duration(needed * per_iteration)}) at this rate"
 
 
+class PassProgress:
+    """Logs the training rows a pass over the data has done, its time so far and an estimate of what is left, at
+    least every PROGRESS_SECONDS (forming an explicit curvature matrix, say): a line goes out once another step as
+    long as the last would pass the cadence, so the gaps stay within it while the steps keep their pace."""
+
+    def __init__(self, what: str, rows: int) -> None:
+        self.what, self.rows = what, rows
+        self.start = self.last = self.previous = time.monotonic()
+
+    def step(self, done: float) -> None:
+        """`done` rows of the pass are finished (a fraction of a batch's rows when its work is split further)."""
+        now = time.monotonic()
+        pace, self.previous = now - self.previous, now
+        if now + pace - self.last < PROGRESS_SECONDS or done <= 0:
+            return
+        self.last = now
+        elapsed = now - self.start
+        log.info("%s: %.0f of %d training rows, %s so far, about %s left", self.what, done, self.rows, duration(elapsed), duration(elapsed * (self.rows - done) / done))
+
+
 @dataclass(frozen=True)
 class SolveInfo:
     iterations: int

@@ -23,6 +23,8 @@ class Work:
       iterations summed over solver calls;
     - score_flops: floating-point operations of the contractions that turn gradients into scores and
       self-influences (GEMMs and the reductions beside them);
+    - curvature_flops: floating-point operations of the GEMMs that form an explicit curvature matrix from gradient
+      rows (Direct's Gauss-Newton matrix);
     - index_rows, index_bytes: training rows (and their bytes) read back from a stored training index instead of
       evaluating their gradients;
     - replayed_steps: training steps replayed by MAGIC, forward recomputations and reverse steps through the
@@ -34,6 +36,7 @@ class Work:
     solves: int = 0
     solver_iterations: int = 0
     score_flops: float = 0.0
+    curvature_flops: float = 0.0
     index_rows: int = 0
     index_bytes: int = 0
     replayed_steps: int = 0

@@ -120,14 +120,16 @@ def adam_cnn() -> Problem:
 
 
 def dense_curvature(problem: Problem, mode: str = "gauss_newton") -> torch.Tensor:
-    """The training set's curvature matrix C (p × p, dense), built from its matrix-vector products."""
+    """The training set's curvature matrix C (p × p, dense), from its products with the identity: a construction
+    independent of Direct's (a Gram matrix of gradient rows under Gauss-Newton)."""
     from influence_core.batches import TensorBatches
-    from influence_core.blocks import BlockCurvature
     from influence_core.curvature import CurvatureOperator
     from influence_core.objective import Objective
 
-    op = CurvatureOperator(Objective(problem.model, problem.loss), TensorBatches(problem.x_train, problem.y_train, 1024), mode)
-    return BlockCurvature(op, slice(0, op.dim), "all").dense()
+    objective = Objective(problem.model, problem.loss)
+    op = CurvatureOperator(objective, TensorBatches(problem.x_train, problem.y_train, 1024), mode)
+    matrix = op.matmat(torch.eye(op.dim, dtype=objective.space.dtype))
+    return (matrix + matrix.T) / 2
 
 
 def mean_curvature(problem: Problem, mode: str = "gauss_newton") -> float:

@@ -57,8 +57,9 @@ class DirectSolver(BlockSolver):
 
 
 class DirectInfluence(InfluenceFunctionModel):
-    """Exact up to round-off; memory O(p²) and time O(p³) per block, so meant for models up to a few thousand
-    parameters and as the reference the other methods are checked against."""
+    """Exact up to round-off; memory O(p²) and time O(p³) per block, plus forming C (Gauss-Newton: n·K·p² GEMM flops
+    for K outputs per example; Hessian: p·n curvature products), so meant for models up to a few thousand parameters
+    and as the reference the other methods are checked against."""
 
     name = "direct"
     title = "Direct (exact; TRAK with a projection)"

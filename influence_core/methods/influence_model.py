@@ -222,7 +222,8 @@ class InfluenceFunctionModel(ABC):
             curvatures = {name: covariance.block(sl, name) for name, sl in self.blocks.items()}
         else:
             operator = CurvatureOperator(self.objective, self.train, self.second_order_mode)
-            curvatures = {name: BlockCurvature(operator, sl, name) for name, sl in self.blocks.items()}
+            partition = tuple(self.blocks.values())
+            curvatures = {name: BlockCurvature(operator, sl, name, partition) for name, sl in self.blocks.items()}
         self.solvers = {name: self.make_solver(curvature, self.regularization[name]) for name, curvature in curvatures.items()}
         self._basis = None
 

@@ -17,6 +17,15 @@ from torch.func import grad, vjp
 from ..noise import ExampleNoise
 
 LANCZOS_STEPS = 32  # Krylov dimension of the generic sampled Fisher's H^(1/2) z (exact up to this many outputs)
+EXACT_FISHER_MAX_PASSES = 64  # "auto" takes the exact expectation up to this many backward passes per example, samples above
+
+
+def resolve_fisher(kind: str, passes: int) -> str:
+    """'auto' → 'exact' when the exact Fisher takes at most EXACT_FISHER_MAX_PASSES backward passes per example
+    (one per column of its square root), else 'sampled' (one per draw); whatever the task, callable losses included."""
+    if kind != "auto":
+        return kind
+    return "exact" if passes <= EXACT_FISHER_MAX_PASSES else "sampled"
 
 
 class Task(ABC):

@@ -14,7 +14,7 @@ import torch
 
 from influence_core import DirectInfluence, EkfacInfluence, KfacInfluence
 from influence_core.errors import ConfigError
-from influence_core.layers import resolve_fisher
+from influence_core.task.base import resolve_fisher
 from tests.problems import ExplicitGaussNewton, Problem, adam_cnn, adam_mlp
 
 LAMS = (1e-2, 1e-3)
