@@ -27,7 +27,7 @@ from ...reduction import pairwise_sum, summed_tasks
 from ...work import forward_flops
 from ..runtime.cluster import place
 from ..store.refs import DataRef, ModelRef, StageRef
-from ..specs import ComputeSpec, MagicMethod, MethodSpec, ModelSpec
+from ..specs import ComputeSpec, MagicMethod, MethodSpec, ModelSpec, TrainingSpec
 from ..runtime.threads import TASK_THREADS, in_threads, torch_threads
 from ..store.loading import load_model, open_data, save_tensors, train_batches
 from ..store.stage import StageCall, StageInput, StageLocation
@@ -132,14 +132,15 @@ def factor_flops(im: KfacInfluence, x: Any, n_rows: int) -> float:
     return passes * FACTOR_PASS_FORWARDS * forward_flops(im.objective.model, x) * n_rows / examples.count(x)
 
 
-def check_method(method: MethodSpec, model: ModelSpec, data: DataRef) -> None:
-    """Before training: build the method around the untrained model, so that what depends only on the model's
-    structure (module names in `method.modules` or a per-layer λ, λ > 0 where the method needs it) is refused in
-    seconds, not after training; method magic, that the model's training can be replayed."""
+def check_method(method: MethodSpec, model: ModelSpec, training: TrainingSpec, data: DataRef) -> None:
+    """Before training: build the method around the untrained model (with its LoRA adapters), so that what depends
+    only on the model's structure (module names in `method.modules` or a per-layer λ, λ > 0 where the method needs it)
+    is refused in seconds, not after training; method magic, that the model's training can be replayed."""
+    structure = build_model(model, data, lora=training.lora)
     if isinstance(method, MagicMethod):
-        check_replayable(build_model(model, data))
+        check_replayable(structure)
         return
-    method.build(build_model(model, data), model.loss)
+    method.build(structure, model.loss)
 
 
 def _fit(stage: PreconditionerInput, client_factory: Callable[[], Any], loc: StageLocation) -> dict[str, Any]:
