@@ -269,3 +269,20 @@ def test_a_missing_init_is_refused_before_anything_runs(tmp_path):
     run = params(tmp_path / "run", str(tmp_path / "nope.safetensors"))
     with pytest.raises(ConfigError, match=r"^training.init: no initial weights at '.*nope.safetensors'\. Fix: give the path or s3:// URL of a saved state_dict$"):
         preflight(run.store(), run.compute, run.model, run.training)
+
+
+def test_a_factorys_own_pretrained_weights_are_keyed_on_what_it_builds(tmp_path):
+    """A model factory that reads pretrained weights from a file the pipeline never sees: fit_model fine-tunes them
+    (as trained by hand), and other weights in that file, at the same size and modification time, train again."""
+    weights = tmp_path / "weights.pt"
+    state = pretrained(weights)
+    factory = {"factory": "tests.plugin_models:pretrained_mlp", "options": {"weights": str(weights)}, "dtype": "float64"}
+    run = small_params(str(tmp_path / "run"), dataset=DATASET, model=factory, training=TRAINING)
+    data, first = fit(run)
+    assert_same_weights(load_model(first, {}), hand_trained(from_init(state), run.training.recipe(), *training_rows(data)))
+    stamp = weights.stat()
+    replaced = pretrained(weights, seed=12)
+    os.utime(weights, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    again = fit(run)[1]
+    assert again.key != first.key
+    assert_same_weights(load_model(again, {}), hand_trained(from_init(replaced), run.training.recipe(), *training_rows(data)))
