@@ -32,7 +32,7 @@ def output_width(spec: ModelSpec, data: DataRef) -> int:
     return data.n_classes if (spec.task_name == "classification" and data.n_classes) else 1
 
 
-Shape = tuple[int, int, "tuple[int, ...] | None"]  # what ModelSpec.build takes: in_features, out_features, feature_shape
+Shape = tuple[int, int, tuple[int, ...] | None]  # what ModelSpec.build takes: in_features, out_features, feature_shape
 
 
 def module_shape(spec: ModelSpec, source: DataRef | ModelRef) -> Shape:
@@ -75,9 +75,7 @@ def with_lora(model: nn.Module, lora: LoraSpec | None) -> nn.Module:
     except ValueError as exc:  # no module of the model matches, or one that peft cannot adapt
         names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
         raise ConfigError("training.lora.target_modules", f"{lora.target_modules} do not name modules peft can adapt ({str(exc).splitlines()[0]})", f"name nn.Linear modules of the model, e.g. among {names[:8]}") from None
-    adapters = {param.dtype for name, param in wrapped.named_parameters() if "lora_" in name}
-    base = next(param.dtype for name, param in wrapped.named_parameters() if "lora_" not in name)
-    return wrapped if adapters == {base} else wrapped.to(base)  # peft's new layers are float32: the model's dtype throughout
+    return wrapped  # the adapters take their base layer's dtype and device
 
 
 def state_digest(model: nn.Module) -> str:

@@ -195,9 +195,9 @@ def _compute(job: MagicJob, client_factory: Callable[[], Any], on_progress: Prog
 def score_spread(scores: zarr.Array) -> float | None:
     """The largest |score| over the median |score|: thousands where Adam's first full step made the trained model a
     step function of the loss weights (docs/methods.md); None where the median is 0."""
-    magnitudes = np.abs(np.asarray(scores[...], dtype=np.float64))
+    magnitudes = np.abs(np.asarray(scores[...]))  # float32, as stored: the median needs every score at once
     median = float(np.median(magnitudes))
-    return float(magnitudes.max() / median) if median > 0 and np.isfinite(median) else None
+    return float(magnitudes.max()) / median if median > 0 and np.isfinite(median) else None
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, dict[str, Any]]:

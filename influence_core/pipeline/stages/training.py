@@ -99,7 +99,7 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         "out_features": out_features,
         "feature_shape": list(data.feature_shape),
         "train_loss": None if spec.checkpoint else metrics["train_loss"],
-        "lora": None if training.lora is None or spec.checkpoint else training.lora.model_dump(mode="json"),
+        "lora": None if training.lora is None else training.lora.model_dump(mode="json"),  # refused with a checkpoint
         "metrics": metrics,
     }
 
