@@ -6,6 +6,7 @@ against Direct's exact curvature block)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +168,17 @@ def test_fastifs_default_feature_of_a_lora_model_is_the_last_hidden_activation()
     features = module_features(adapted, x)
     assert features.shape == (5, 6)
     torch.testing.assert_close(torch.from_numpy(features), torch.tanh(plain[1](x)), rtol=1e-6, atol=1e-6)  # lora_B is 0 at the start
+
+
+def test_the_fine_tuning_configs_are_valid_and_train_on_disjoint_windows() -> None:
+    """configs/finetune-lora.yaml fine-tunes configs/pretrain-docs.yaml's model (the same architecture, the weights
+    the README copies from it) with LoRA, on windows the pretraining never saw, with a warm-up from 0."""
+    import yaml
+
+    from flows.parameters import RunParameters
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    base, tuned = (RunParameters.model_validate(yaml.safe_load((root / name).read_text())) for name in ("pretrain-docs.yaml", "finetune-lora.yaml"))
+    assert tuned.model == base.model and tuned.training.init == "runs/pretrained-docs.pt" and tuned.training.lora is not None
+    assert base.dataset.train_offset == 0 and tuned.dataset.train_offset >= base.dataset.n_train and tuned.dataset.window == base.dataset.window
+    assert tuned.training.recipe().step_size(0, tuned.training.recipe().steps(tuned.dataset.n_train)) == 0.0
