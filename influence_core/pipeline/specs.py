@@ -477,23 +477,17 @@ class LoraSpec(Spec):
 
 
 class TrainingSpec(Spec):
-    init: str | None = Field(
-        None, title="Initial weights",
-        description="Fine-tune: a state_dict (local or s3://; .safetensors, or a torch.save file read with weights_only=True) that fit_model starts from "
-        "and trains with this recipe (so do validation's retrainings and method magic's replay). Empty: the seeded initialisation, or a model factory's own (pretrained) weights.",
-    )
-    lora: LoraSpec | None = Field(None, title="LoRA adapters", description="Train LoRA adapters (peft) on the named modules instead of every weight; empty: every weight is trained.")
-    warmup: float = Field(
-        0.0, ge=0, lt=1, title="Warm-up share",
-        description="The first round(warmup × T) of the T steps rise linearly from a step size of exactly 0 to learning_rate; the decay runs over the rest. "
-        "Method magic needs it (docs/methods.md): without it, Adam's first step moves every weight by ±learning_rate, whatever its gradient's size.",
-    )
     epochs: int = Field(60, ge=0, title="Epochs", description="Passes over the training data.")
     batch_size: int = Field(64, ge=1, title="Batch size", description="Mini-batch size of the optimiser.")
     learning_rate: float = Field(1e-2, gt=0, title="Learning rate", description="Adam step size (the first step's, when it decays).")
     lr_decay: LrDecay = Field(
         "constant", title="Learning-rate decay",
         description="constant: the same step size throughout; linear or cosine: decayed from learning_rate towards 0 over the training's steps (MAGIC's metagradients follow the trained run more closely when late steps are small).",
+    )
+    warmup: float = Field(
+        0.0, ge=0, lt=1, title="Warm-up share",
+        description="The first round(warmup × T) of the T steps rise linearly from a step size of exactly 0 to learning_rate; the decay runs over the rest. "
+        "Method magic needs it (docs/methods.md): without it, Adam's first step moves every weight by ±learning_rate, whatever its gradient's size.",
     )
     weight_decay: float = Field(1e-3, ge=0, title="Weight decay", description="L2 penalty added to the training loss.")
     seed: int = Field(0, title="Seed", description="Seed of initialisation and batch order.")
@@ -502,6 +496,12 @@ class TrainingSpec(Spec):
         description="Train this many models (member m with seed + m) and average their scores and self-influences, as TRAK's ensemble does. "
         "Each member's model, curvature and query factors are cached stages of their own; training, curvature and scoring cost this many times a single model's.",
     )
+    init: str | None = Field(
+        None, title="Initial weights",
+        description="Fine-tune: a state_dict (local or s3://; .safetensors, or a torch.save file read with weights_only=True) that fit_model starts from "
+        "and trains with this recipe (so do validation's retrainings and method magic's replay). Empty: the seeded initialisation, or a model factory's own (pretrained) weights.",
+    )
+    lora: LoraSpec | None = Field(None, title="LoRA adapters", description="Train LoRA adapters (peft) on the named modules instead of every weight; empty: every weight is trained.")
 
     UNHASHED_AT: ClassVar[dict[str, Any]] = {"ensemble": 1, "lr_decay": "constant", "init": None, "lora": None, "warmup": 0.0}  # as before each existed
 
@@ -514,7 +514,7 @@ class TrainingSpec(Spec):
 
     def recipe_config(self) -> dict[str, Any]:
         """The settings as the keys of trained models hash them: `key_config` less where training.init lies (its
-        content is hashed instead, models.start_key: a moved file trains nothing again, a replaced one retrains)."""
+        content is hashed instead, models.training_key: a moved file trains nothing again, a replaced one retrains)."""
         return {name: value for name, value in self.key_config().items() if name != "init"}
 
     def recipe(self) -> AdamRecipe:
