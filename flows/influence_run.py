@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
+from influence_core.pipeline.stages.metagradients import first_step_warning
 from influence_core.pipeline.store.refs import DataRef, ModelRef, ScoresRef
 from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MagicMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
@@ -57,7 +58,7 @@ def influence_run(
     store = params.store()
     fingerprint = params.run_fingerprint()
     get_run_logger().info("Results go to %s", store.output_url)  # output_url resolved: {fingerprint} filled in
-    check_run(store, params.compute, params.model, fingerprint, params.overwrite)  # refused at once, before waiting or computing
+    check_run(store, params.compute, params.model, params.training, fingerprint, params.overwrite)  # refused at once, before waiting or computing
     with run_session(store, on_wait=get_run_logger().warning):
         return _stages(params, store, fingerprint)
 
@@ -66,7 +67,7 @@ def _stages(params: RunParameters, store: RunStore, fingerprint: str) -> dict[st
     """The six stages, the optional validation and the closing publish, under the output's run lock."""
     run = StageRunner(store, checkpoint=interrupts.raise_if_interrupted)
     data = run(prepare_data, PrepareInput(params.dataset, store))
-    if fewer := check_data(data, params.dataset, params.aggregate, params.candidates, params.method, params.model, store):
+    if fewer := check_data(data, params.dataset, params.aggregate, params.candidates, params.method, params.model, params.training, store):
         get_run_logger().warning(fewer)
     model, scores, scoring = _magic(run, params, data, store, fingerprint) if isinstance(params.method, MagicMethod) else _influence(run, params, data, store, fingerprint)
     run.add_query_metrics(model, data, params.compute.torch_device)
@@ -89,6 +90,8 @@ def _influence(run: StageRunner, params: RunParameters, data: DataRef, store: Ru
 def _magic(run: StageRunner, params: RunParameters, data: DataRef, store: RunStore, fingerprint: str) -> tuple[ModelRef, ScoresRef, None]:
     """Method magic: the trained model, then the metagradients through its replayed training (no curvature)."""
     compute = params.compute
+    if warning := first_step_warning(params.training, data.n_train):
+        get_run_logger().warning(warning)
     model = run(fit_model, TrainingInput(params.model, params.training, data, store, compute.torch_threads, compute.torch_device))
     _begin_output(params, data, store, fingerprint)
     assert isinstance(params.method, MagicMethod)

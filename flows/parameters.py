@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from influence_core.pipeline.store import storage
 from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.stages.metagradients import check_magic
-from influence_core.pipeline.stages.training import check_ensemble
+from influence_core.pipeline.stages.training import check_ensemble, check_start
 from influence_core.pipeline.stages.validation import check_validate
 from influence_core.errors import ConfigError
 from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, DigitsDataset, DirectMethod, MagicMethod, MethodSpec, ModelSpec, StorageSpec, TrainingSpec, ValidationSpec
@@ -85,6 +85,11 @@ class RunParameters(BaseModel):
         stage, key and summary sees the task that runs."""
         if self.model.task == "auto" and self.dataset.labels_are_inputs:
             self.model.task = "language_modelling"
+        return self
+
+    @model_validator(mode="after")
+    def _trained_or_loaded(self) -> "RunParameters":
+        check_start(self.training, self.model)
         return self
 
     @model_validator(mode="after")

@@ -68,6 +68,8 @@ def forward_flops(model: nn.Module, x: Any) -> float:
 
     handles = [module.register_forward_hook(count) for module in model.modules() if _inputs_per_output(module)]
     training = model.training
+    dtype = next(model.parameters()).dtype
+    x = examples.map_inputs(x, lambda t: t.to(dtype) if t.is_floating_point() else t)  # float32 features, a float64 model: as Objective.to_model casts them
     try:
         with torch.no_grad():
             examples.call(model.eval(), x)  # eval: a counting pass must not move BatchNorm's running statistics

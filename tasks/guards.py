@@ -19,14 +19,14 @@ from influence_core.pipeline.store.run_store import RunStore
 from influence_core.pipeline.store.runlock import exclusive_run
 from influence_core.pipeline.score.scoring import space_warning
 from influence_core.pipeline.sources.data import fewer_queries
-from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec
+from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, ComputeSpec, DatasetSpec, MethodSpec, ModelSpec, TrainingSpec
 from influence_core.pipeline.score.token_scores import check_token_scores
 
 
-def check_run(store: RunStore, compute: ComputeSpec, model: ModelSpec, fingerprint: str, overwrite: bool) -> None:
+def check_run(store: RunStore, compute: ComputeSpec, model: ModelSpec, training: TrainingSpec, fingerprint: str, overwrite: bool) -> None:
     """In seconds, before any stage computes or anything is written: output, cache and scheduler reachable, checkpoint
-    present, and the output this run's to write (or `overwrite`)."""
-    preflight(store, compute, model)
+    and initial weights present, and the output this run's to write (or `overwrite`)."""
+    preflight(store, compute, model, training)
     publish.check_owner(store, fingerprint, overwrite)
 
 
@@ -37,14 +37,16 @@ def run_session(store: RunStore, on_wait: Callable[[str], None]) -> Iterator[Non
         yield
 
 
-def check_data(data: DataRef, dataset: DatasetSpec, aggregate: AggregateSpec, candidates: CandidatesSpec, method: MethodSpec, model: ModelSpec, store: RunStore) -> str | None:
+def check_data(
+    data: DataRef, dataset: DatasetSpec, aggregate: AggregateSpec, candidates: CandidatesSpec, method: MethodSpec, model: ModelSpec, training: TrainingSpec, store: RunStore
+) -> str | None:
     """Once the data's sizes are known, before training: top_k and knn_k fit the training set, the method fits the
     model, and the queries fit it (every run: the model may come from a run with other queries). Returns a warning
     when the source held fewer queries than dataset.n_test asked for."""
     check_top_k(aggregate, data.n_train)
     check_knn_k(candidates, data.n_train)
     arrays = open_data(data, store.options)
-    check_method(method, model, data, arrays)
+    check_method(method, model, training, data, arrays)
     check_queries(model, arrays)
     check_query_labels(model, data, arrays["y_test"])
     if aggregate.token_scores:

@@ -43,6 +43,8 @@ class StageRunner:
             outcome = "computed" if mine else "found complete"
         self.refs[name] = ref
         work = ref.model_dump(include={"work", "metrics", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters", "compression", "bytes_per_row", "skipped", "ran"})  # what the stage did
+        if getattr(ref, "spread", None) is not None:  # method magic's scores: their largest over their median
+            work["spread"] = ref.spread  # type: ignore[attr-defined]
         self.outcomes[name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
         return ref
 

@@ -171,3 +171,11 @@ class RootOfLayer(nn.Module):
 
 def root_of_layer(in_features: int = 64, classes: int = 10) -> nn.Module:
     return RootOfLayer(in_features, classes)
+
+
+def pretrained_mlp(weights: str, hidden: int = 6) -> nn.Module:
+    """A digits MLP (64-hidden-10, float64) whose weights the factory reads from a file itself, as a
+    `from_pretrained` does: the pipeline never sees the file, only the weights it builds."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10)).double()
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    return model

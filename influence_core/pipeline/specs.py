@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .score.knn_prefilter import IndexKind, resolve_module
+from .store import storage
 from .sources.dotted import DOTTED, make_from
 from ..errors import ConfigError
 from .model.losses import LossName
@@ -306,6 +307,11 @@ class PythonDocsDataset(DatasetBase):
         description="Byte windows of the docstrings of Python's standard library (shipped with Python): token ids 0-255, labels the same ids, for language modelling.",
     )
     window: int = Field(64, ge=4, le=4096, title="Window (bytes)", description="Bytes per example: the model's context.")
+    train_offset: int = Field(
+        0, ge=0, title="Training offset",
+        description="Skip this many of the seeded shuffled training windows before keeping n_train: runs with other offsets train on disjoint windows "
+        "(e.g. pretrain on the first 2,000, fine-tune on the next 600).",
+    )
     queries: list[str] = Field(
         [], title="Queries",
         description="Texts 'prompt|completion': each query's measurement is the completion's log-probability after the prompt. Empty: n_test held-out windows.",
@@ -315,6 +321,13 @@ class PythonDocsDataset(DatasetBase):
     def labels_are_inputs(self) -> bool:
         """The windows' labels are their own byte ids."""
         return True
+
+    def key_config(self) -> dict[str, Any]:
+        """As DatasetBase's, `train_offset` only when set: the runs stored before it existed keep their keys."""
+        config = super().key_config()
+        if not self.train_offset:
+            del config["train_offset"]
+        return config
 
     @field_validator("queries")
     @classmethod
@@ -509,6 +522,27 @@ class ModelSpec(Spec):
         return nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * height * width, out_features))
 
 
+class LoraSpec(Spec):
+    """LoRA adapters (peft) on the named modules: only they are trained, and attribution works in their parameters."""
+
+    model_config = ConfigDict(title="LoRA adapters")
+
+    rank: int = Field(8, ge=1, title="Rank", description="Rank r of each adapter: lora_B (out × r) · lora_A (r × in) is added to the module's weight.")
+    alpha: float = Field(16.0, gt=0, title="Alpha", description="Scaling: the adapter's update is multiplied by alpha / rank.")
+    target_modules: list[Annotated[str, Field(min_length=1)]] = Field(
+        ["query", "value"], min_length=1, title="Target modules",
+        description="Names (or name endings) of the nn.Linear modules that get adapters: by default the built-in transformer's attention queries and values; e.g. [c_attn] for GPT-2.",
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, title="Adapter dropout",
+        description="Dropout on each adapter's input while training (0: off). Method magic refuses it: its random masks cannot be replayed.",
+    )
+
+    def config(self) -> dict[str, Any]:
+        """peft's LoraConfig arguments for these adapters."""
+        return {"r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.target_modules), "lora_dropout": self.dropout, "bias": "none"}
+
+
 class TrainingSpec(Spec):
     epochs: int = Field(60, ge=0, title="Epochs", description="Passes over the training data.")
     batch_size: int = Field(64, ge=1, title="Batch size", description="Mini-batch size of the optimiser.")
@@ -517,6 +551,11 @@ class TrainingSpec(Spec):
         "constant", title="Learning-rate decay",
         description="constant: the same step size throughout; linear or cosine: decayed from learning_rate towards 0 over the training's steps (MAGIC's metagradients follow the trained run more closely when late steps are small).",
     )
+    warmup: float = Field(
+        0.0, ge=0, lt=1, title="Warm-up share",
+        description="The first round(warmup × T) of the T steps rise linearly from a step size of exactly 0 to learning_rate; the decay runs over the rest. "
+        "Method magic needs it (docs/methods.md): without it, Adam's first step moves every weight by ±learning_rate, whatever its gradient's size.",
+    )
     weight_decay: float = Field(1e-3, ge=0, title="Weight decay", description="L2 penalty added to the training loss.")
     seed: int = Field(0, title="Seed", description="Seed of initialisation and batch order.")
     ensemble: int = Field(
@@ -524,12 +563,30 @@ class TrainingSpec(Spec):
         description="Train this many models (member m with seed + m) and average their scores and self-influences, as TRAK's ensemble does. "
         "Each member's model, curvature and query factors are cached stages of their own; training, curvature and scoring cost this many times a single model's.",
     )
+    init: str | None = Field(
+        None, title="Initial weights",
+        description="Fine-tune: a state_dict (local or s3://; .safetensors, or a torch.save file read with weights_only=True) that fit_model starts from "
+        "and trains with this recipe (so do validation's retrainings and method magic's replay). Empty: the seeded initialisation, or a model factory's own (pretrained) weights.",
+    )
+    lora: LoraSpec | None = Field(None, title="LoRA adapters", description="Train LoRA adapters (peft) on the named modules instead of every weight; empty: every weight is trained.")
 
-    UNHASHED_AT: ClassVar[dict[str, Any]] = {"ensemble": 1, "lr_decay": "constant"}  # a single model, the constant step size
+    UNHASHED_AT: ClassVar[dict[str, Any]] = {"ensemble": 1, "lr_decay": "constant", "init": None, "lora": None, "warmup": 0.0}  # as before each existed
+
+    @field_validator("init")
+    @classmethod
+    def _supported_init(cls, value: str | None) -> str | None:
+        if value is not None:
+            storage.validate_url(value, "training.init")  # the scheme only: the path is kept as given, as model.checkpoint's
+        return value
+
+    def recipe_config(self) -> dict[str, Any]:
+        """The settings as the keys of trained models hash them: `key_config` less where training.init lies (its
+        content is hashed instead, models.training_key: a moved file trains nothing again, a replaced one retrains)."""
+        return {name: value for name, value in self.key_config().items() if name != "init"}
 
     def recipe(self) -> AdamRecipe:
         """The library's recipe that fit_model trains with (and MAGIC replays)."""
-        return AdamRecipe(self.epochs, self.batch_size, self.learning_rate, self.weight_decay, self.seed, decay=self.lr_decay)
+        return AdamRecipe(self.epochs, self.batch_size, self.learning_rate, self.weight_decay, self.seed, decay=self.lr_decay, warmup=self.warmup)
 
     def member(self, index: int) -> "TrainingSpec":
         """How ensemble member `index` is trained: alone, with seed + index (member 0 is the single model)."""

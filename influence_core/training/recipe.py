@@ -22,8 +22,10 @@ LrDecay = Literal["constant", "linear", "cosine"]  # how the step size goes from
 @dataclass(frozen=True)
 class AdamRecipe:
     """torch.optim.Adam (default betas and eps) with L2 weight decay (wd·θ added to each gradient), on mini-batch mean
-    losses in the seeded BatchSchedule; the step size is `learning_rate` throughout (constant), or decays from it
-    towards 0 over the T steps: lr·(1 − t/T) (linear) or lr·(1 + cos(πt/T))/2 (cosine) at step t = 0..T−1."""
+    losses in the seeded BatchSchedule. With W = round(warmup·T) warm-up steps of the T, step t < W has size lr·t/W
+    (step 0 is exactly 0); the steps after follow the decay over the remaining T' = T − W steps, at t' = t − W: the
+    step size is `learning_rate` throughout (constant), or decays from it towards 0: lr·(1 − t'/T') (linear) or
+    lr·(1 + cos(πt'/T'))/2 (cosine), as Hugging Face's get_linear_schedule_with_warmup (and its cosine twin) do."""
 
     epochs: int
     batch_size: int
@@ -34,6 +36,11 @@ class AdamRecipe:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     decay: LrDecay = "constant"
+    warmup: float = 0.0  # the share of the steps that warm up from a step size of exactly 0
+
+    def warmup_steps(self, total: int) -> int:
+        """W: the steps of the `total` that warm up."""
+        return round(self.warmup * total)
 
     def schedule(self, n_rows: int) -> BatchSchedule:
         """Which rows each step takes, for a training set of n_rows."""
@@ -46,6 +53,10 @@ class AdamRecipe:
     def step_size(self, t: int, total: int) -> float:
         """The learning rate of step t (0-based) of `total`: one Python float, so training and MAGIC's replay use the
         same bits."""
+        warm = self.warmup_steps(total)
+        if t < warm:
+            return self.learning_rate * t / warm
+        t, total = t - warm, total - warm
         if self.decay == "linear":
             return self.learning_rate * (1 - t / total)
         if self.decay == "cosine":
@@ -58,7 +69,8 @@ def train(model: nn.Module, task: Task, recipe: AdamRecipe, x: Any, y: Any, weig
     eval mode. `weights` (n,): each batch's loss is Σ w_i ℓ_i / batch size in the same schedule (MAGIC's
     counterfactual: weight 0 removes a row and keeps every batch); None: the task's mean loss."""
     objective = Objective(model, task)
-    optimiser = torch.optim.Adam(model.parameters(), lr=recipe.learning_rate, betas=recipe.betas, eps=recipe.eps, weight_decay=recipe.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights (a LoRA model's base) stay as they are
+    optimiser = torch.optim.Adam(trained, lr=recipe.learning_rate, betas=recipe.betas, eps=recipe.eps, weight_decay=recipe.weight_decay)
     rows = ArrayBatches(x, y, recipe.block_rows)
     total, t = recipe.steps(len(rows)), 0
     model.train()

@@ -58,10 +58,14 @@ def _weights_lds(params: RunParameters, arrays: dict[str, np.ndarray], scores: n
     return lds, float(np.linalg.lstsq(change[:, None], actual, rcond=None)[0][0]), float(pearsonr(change, actual).statistic)
 
 
-def test_flow_scores_equal_the_library_metagradients(tmp_path, prefect_api):
+def test_flow_scores_equal_the_library_metagradients(tmp_path, prefect_api, caplog):
     validation = {"subsets": 4, "fraction": 0.9, "queries": 6, "counterfactual": "weights"}
     params = small_params(str(tmp_path / "run"), compute={"cluster": "local", "n_workers": 2}, validation=validation, **OVERRIDES)
     summary = influence_run(**params.sections())
+    warned = [r.getMessage() for r in caplog.records if "full Adam step" in r.getMessage()]  # no training.warmup: said once, in one line
+    assert len(warned) == 1 and "\n" not in warned[0] and "set training.warmup" in warned[0]
+    magnitudes = np.abs(read_outputs(params.store())[1]["scores"])
+    assert summary["stages"]["compute_influences"]["spread"] == pytest.approx(float(magnitudes.max()) / float(np.median(magnitudes)), rel=1e-6)
     _, outputs = read_outputs(params.store())
     arrays = {name: np.asarray(a[...]) for name, a in storage.open_group(summary["stages"]["prepare_data"]["url"], {}, mode="r").arrays()}
     expected = _library_scores(params, arrays)

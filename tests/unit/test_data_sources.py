@@ -70,6 +70,25 @@ def test_python_docs_trains_on_the_same_windows_whatever_the_number_of_queries(t
     assert refs[0].training.fingerprint == refs[1].training.fingerprint and refs[0].fingerprint != refs[1].fingerprint
 
 
+def test_python_docs_train_offset_keeps_disjoint_windows(tmp_path):
+    """A pretraining run on the first 40 training windows and a fine-tune on the next 30 (train_offset: 40, with
+    listed queries) share no window: both are slices of one run's 70; an offset past the windows is refused."""
+    from influence_core.errors import ConfigError
+    from influence_core.pipeline.specs import PythonDocsDataset
+
+    def windows(name: str, **spec) -> np.ndarray:  # type: ignore[no-untyped-def]
+        store = RunStore(output_url=str(tmp_path / name))
+        return arrays_of(prepare.run(prepare.PrepareInput(PythonDocsDataset(window=32, n_test=4, **spec), store)), store)["x_train"]
+
+    whole, first, later = windows("whole", n_train=70), windows("first", n_train=40), windows("later", n_train=30, train_offset=40, queries=["Return the| value"])
+    np.testing.assert_array_equal(first, whole[:40])
+    np.testing.assert_array_equal(later, whole[40:])
+    assert not (first[:, None] == later[None]).all(-1).any()
+    assert "train_offset" not in PythonDocsDataset().key_config() and PythonDocsDataset(train_offset=5).key_config()["train_offset"] == 5
+    with pytest.raises(ConfigError, match=r"^dataset.train_offset: train_offset=10000000 skips all \d+ training windows"):
+        windows("past", n_train=10, train_offset=10_000_000)
+
+
 def test_fingerprint_is_content_not_chunking(tmp_path, xy):
     x, y = xy
     np.savez(tmp_path / "d.npz", x_train=x[:150], y_train=y[:150], x_test=x[150:], y_test=y[150:])

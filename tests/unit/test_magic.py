@@ -32,7 +32,13 @@ def _model() -> torch.nn.Module:
 
 
 def _lr_scheduler(optimiser: torch.optim.Optimizer, recipe: AdamRecipe, total: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """torch's own schedulers for the recipe's decay: the reference does not use `AdamRecipe.step_size`."""
+    """torch's own schedulers for the recipe's decay, Hugging Face's with a warm-up: the reference does not use
+    `AdamRecipe.step_size`."""
+    if recipe.warmup:
+        from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+        schedule = get_cosine_schedule_with_warmup if recipe.decay == "cosine" else get_linear_schedule_with_warmup
+        return schedule(optimiser, num_warmup_steps=round(recipe.warmup * total), num_training_steps=total)
     if recipe.decay == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, T_max=total)
     return torch.optim.lr_scheduler.LambdaLR(optimiser, lambda t: 1 - t / total if recipe.decay == "linear" else 1.0)
@@ -65,10 +71,10 @@ def _central_difference_scores(retrained: Callable[[torch.Tensor], torch.Tensor]
     return -n * torch.stack(columns, 1)
 
 
-@pytest.mark.parametrize("decay", ["constant", "linear", "cosine"])
-def test_scores_equal_finite_differences_of_retraining(decay: str) -> None:
+@pytest.mark.parametrize("decay, warmup", [("constant", 0.0), ("linear", 0.0), ("cosine", 0.0), ("linear", 0.25), ("cosine", 0.25)])
+def test_scores_equal_finite_differences_of_retraining(decay: str, warmup: float) -> None:
     x, y, xq, yq = _problem()
-    recipe = dataclasses.replace(RECIPE, decay=decay)
+    recipe = dataclasses.replace(RECIPE, decay=decay, warmup=warmup)
     result = metagradients(_model(), Classification(), recipe, x, y, xq, yq)
     n = len(y)
     expected = _central_difference_scores(lambda w: _retrained_query_losses(w, recipe), n)
@@ -88,10 +94,10 @@ def test_sign_removing_a_helpful_example_raises_the_query_loss() -> None:
     assert torch.corrcoef(torch.stack([predicted.flatten(), actual.flatten()]))[0, 1] > 0.9
 
 
-@pytest.mark.parametrize("decay", ["constant", "cosine"])
-def test_replay_retraces_training_bit_for_bit(decay: str) -> None:
+@pytest.mark.parametrize("decay, warmup", [("constant", 0.0), ("cosine", 0.0), ("linear", 0.25)])
+def test_replay_retraces_training_bit_for_bit(decay: str, warmup: float) -> None:
     x, y, xq, yq = _problem()
-    trained, recipe = _model(), dataclasses.replace(RECIPE, decay=decay)
+    trained, recipe = _model(), dataclasses.replace(RECIPE, decay=decay, warmup=warmup)
     train(trained, Classification(), recipe, x, y)
     final = metagradients(_model(), Classification(), recipe, x, y, xq, yq).final
     assert all(torch.equal(final[name], p) for name, p in trained.named_parameters())
@@ -184,6 +190,27 @@ def test_a_language_models_scores_equal_finite_differences_of_retraining() -> No
         return TokenTransformer(vocab, context, 8, 2, 1, vocab, causal=True).double()
 
     _assert_scores_equal_finite_differences(model, LanguageModelling(), recipe, x, torch.roll(x, -1, 1), xq, torch.roll(xq, -1, 1))
+
+
+def test_lora_adapters_scores_equal_finite_differences_of_retraining() -> None:
+    """A LoRA fine-tune (peft's adapters on the query and feed-forward projections of the pipeline's transformer, its
+    base frozen): the metagradients run through the adapters alone, with a warm-up from 0, against `train`."""
+    from influence_core.pipeline.model.models import with_lora
+    from influence_core.pipeline.model.transformer import TokenTransformer
+    from influence_core.pipeline.specs import LoraSpec
+    from influence_core.task import LanguageModelling
+
+    g = torch.Generator().manual_seed(0)
+    vocab, context, n = 11, 6, 8
+    x, xq = torch.randint(0, vocab, (n, context), generator=g), torch.randint(0, vocab, (2, context), generator=g)
+    recipe = AdamRecipe(epochs=2, batch_size=4, learning_rate=2e-2, weight_decay=1e-3, seed=0, block_rows=8, warmup=0.25)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(1)
+        return with_lora(TokenTransformer(vocab, context, 8, 2, 1, vocab, causal=True).double(), LoraSpec(rank=2, target_modules=["query", "up"]))
+
+    assert set(metagradients(model(), LanguageModelling(), recipe, x, x, xq, xq).final) == {n for n, p in model().named_parameters() if "lora_" in n}
+    _assert_scores_equal_finite_differences(model, LanguageModelling(), recipe, x, x, xq, xq)
 
 
 def test_a_hugging_face_gpt2s_scores_equal_finite_differences_of_retraining() -> None:

@@ -68,7 +68,7 @@ def test_dataset_sources_are_choices_each_with_its_own_fields():
         "synthetic_classification": common | {"n_features", "noise", "n_classes"},
         "synthetic_regression": common | {"n_features", "noise"},
         **{name: common | {"test_fraction", "path", "inputs", "target"} for name in ("npz", "npy", "zarr", "torch", "hf_disk", "parquet")},
-        "python_docs": common | {"window", "queries"},
+        "python_docs": common | {"window", "train_offset", "queries"},
     }
     demo = RunParameters().public_config()["dataset"]
     assert demo == {"source": "digits", "n_train": None, "n_test": None, "seed": 0, "chunk_rows": 4096, "query_offset": 0, "test_fraction": 0.2}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 from typing import Any
@@ -18,8 +19,8 @@ from ...errors import ConfigError
 from ...objective import Objective
 from ...task import Task
 from ..sources.dotted import user_error
-from ..store.refs import DataRef
-from ..specs import ModelSpec, TrainingSpec
+from ..store.refs import DataRef, ModelRef
+from ..specs import LoraSpec, ModelSpec, TrainingSpec
 
 
 def output_width(spec: ModelSpec, data: DataRef) -> int:
@@ -31,13 +32,75 @@ def output_width(spec: ModelSpec, data: DataRef) -> int:
     return data.n_classes if (spec.task_name == "classification" and data.n_classes) else 1
 
 
-def build_model(spec: ModelSpec, data: DataRef, device: str = "cpu") -> nn.Module:
-    """The untrained module for this data, in the spec's dtype, on `device`; a built-in architecture takes one
-    input array, so named fields need a model factory."""
-    if spec.factory is None and any("/" in name for name in data.arrays):
+Shape = tuple[int, int, tuple[int, ...] | None]  # what ModelSpec.build takes: in_features, out_features, feature_shape
+
+
+def module_shape(spec: ModelSpec, source: DataRef | ModelRef) -> Shape:
+    """The module's input and output sizes: those of this data (a built-in architecture takes one input array, so
+    named fields need a model factory), or those a stored model was built with."""
+    if isinstance(source, ModelRef):
+        return source.in_features, source.out_features, tuple(source.feature_shape) if source.feature_shape is not None else None
+    if spec.factory is None and any("/" in name for name in source.arrays):
         raise ConfigError("dataset.inputs", f"the built-in {spec.architecture} takes one input array, not the named fields of dataset.inputs", "set model.factory to a model taking the fields as keyword arguments, or store one input array x")
-    torch_dtype = getattr(torch, spec.dtype)
-    return spec.build(math.prod(data.feature_shape), output_width(spec, data), tuple(data.feature_shape)).to(device=device, dtype=torch_dtype)
+    return math.prod(source.feature_shape), output_width(spec, source), tuple(source.feature_shape)
+
+
+def build_model(spec: ModelSpec, source: DataRef | ModelRef, device: str = "cpu", lora: LoraSpec | None = None) -> nn.Module:
+    """The module (weights: the global generator's draw, or a factory's own), in the spec's dtype, on `device`, with
+    `lora`'s adapters: the structure a state_dict of the run's model loads into."""
+    module = spec.build(*module_shape(spec, source)).to(device=device, dtype=getattr(torch, spec.dtype))
+    return with_lora(module, lora)
+
+
+def initial_model(spec: ModelSpec, training: TrainingSpec, source: DataRef | ModelRef, options: dict[str, Any], device: str = "cpu") -> nn.Module:
+    """The weights a run's training starts from, wherever they are needed (fit_model, validation's retrainings,
+    MAGIC's replay): the module built after seeding torch's global generator with training.seed (callers fork it),
+    then training.init's weights (strict: a state_dict of another model is refused naming training.init), then the
+    LoRA adapters (their own initialisation drawn from the same seeded generator)."""
+    torch.manual_seed(training.seed)
+    model = build_model(spec, source, device)
+    if training.init:
+        load_into(model, load_state(training.init, options, "training.init", device), "training.init")
+    return with_lora(model, training.lora)
+
+
+def with_lora(model: nn.Module, lora: LoraSpec | None) -> nn.Module:
+    """The model with peft's LoRA adapters on `lora.target_modules` (in place; every other weight frozen), or as it is."""
+    if lora is None:
+        return model
+    from peft import LoraConfig, inject_adapter_in_model  # imports transformers (seconds): only for a run with adapters
+
+    try:
+        wrapped = inject_adapter_in_model(LoraConfig(**lora.config()), model)
+    except ValueError as exc:  # no module of the model matches, or one that peft cannot adapt
+        names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+        raise ConfigError("training.lora.target_modules", f"{lora.target_modules} do not name modules peft can adapt ({str(exc).splitlines()[0]})", f"name nn.Linear modules of the model, e.g. among {names[:8]}") from None
+    return wrapped  # the adapters take their base layer's dtype and device
+
+
+def state_digest(model: nn.Module) -> str:
+    """A digest of the module's state_dict (names, dtypes, shapes and bytes): what a factory's weights are keyed on."""
+    digest = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()[:24]
+
+
+def training_key(spec: ModelSpec, training: TrainingSpec, data: DataRef, options: dict[str, Any]) -> dict[str, Any]:
+    """A training as the keys of what it trains hash it (fit_model, validation's retrained models): the recipe, and
+    where it starts: training.init's content (a replaced file retrains, a moved one does not), or for a model factory
+    without an init the digest of the weights it builds (a factory may load pretrained weights from files the
+    pipeline never sees, and no rule tells them from a random draw; a built-in architecture's draw is fixed by the
+    seed and the code version, so its keys stay as they were)."""
+    key: dict[str, Any] = {"training": training.recipe_config()}
+    if training.init:
+        key["init_content"] = checkpoint_content(training.init, options, "training.init")
+    elif spec.factory is not None:
+        with torch.random.fork_rng():
+            key["initial_weights"] = state_digest(initial_model(spec, training, data, options))
+    return key
 
 
 def check_tokens(spec: ModelSpec, *splits: Any) -> None:
@@ -177,11 +240,13 @@ def checkpoint_content(url: str, options: dict[str, Any], field: str = "model.ch
     try:
         return storage.content_token(url, options)
     except FileNotFoundError:
-        raise _missing_checkpoint(url, field) from None
+        raise missing_weights(url, field) from None
 
 
-def _missing_checkpoint(url: str, field: str) -> ConfigError:
-    return ConfigError(field, f"no checkpoint at {url!r}", "give the path or s3:// URL of a saved state_dict")
+def missing_weights(url: str, field: str) -> ConfigError:
+    """A state_dict named by `field` (model.checkpoint, training.init) that is not there."""
+    what = "initial weights" if field == "training.init" else "checkpoint"
+    return ConfigError(field, f"no {what} at {url!r}", "give the path or s3:// URL of a saved state_dict")
 
 
 def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint", device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -189,7 +254,7 @@ def load_state(url: str, options: dict[str, Any], field: str = "model.checkpoint
     try:
         raw = storage.read_bytes(url, options)
     except FileNotFoundError:
-        raise _missing_checkpoint(url, field) from None
+        raise missing_weights(url, field) from None
     return parse_state(raw, url, field, device)
 
 
@@ -239,5 +304,7 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], field: str = "mo
         model.load_state_dict(state)
     except RuntimeError as exc:
         detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # the missing keys included
+        if field == "training.init":
+            raise ConfigError(field, f"the initial weights do not fit the model ({detail})", "give training.init the model's own state_dict (saved before any LoRA adapters), or match model.architecture/hidden/output_dim (or model.factory/options) to it") from None
         raise ConfigError(field, f"the checkpoint does not fit the model ({detail})", "match model.architecture/hidden/output_dim (or model.factory/options) to the checkpoint") from None
     return model.eval()

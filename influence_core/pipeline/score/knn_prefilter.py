@@ -33,11 +33,12 @@ def resolve_module(model: nn.Module, name: str | None) -> tuple[nn.Module, bool]
     """The module whose activations are the features, and whether its input (True) or output is taken.
 
     None means the penultimate layer: the input of the last module that holds parameters (for an MLP, the last
-    hidden activation). A name is a key of `model.named_modules()`, whose output is taken.
+    hidden activation; LoRA's adapter matrices, whose inputs are the adapters' rank-wide bottleneck, left out: the
+    adapted layer's base takes the activation). A name is a key of `model.named_modules()`, whose output is taken.
     """
     modules = dict(model.named_modules())
     if name is None:
-        with_params = [m for m in modules.values() if not list(m.children()) and any(True for _ in m.parameters(recurse=False))]
+        with_params = [m for n, m in modules.items() if not list(m.children()) and any(True for _ in m.parameters(recurse=False)) and ".lora_" not in n]
         if not with_params:
             raise ConfigError("candidates.module", "the model has no module with parameters", "name a module whose output is the feature, e.g. one of " + ", ".join(repr(n) for n in modules if n))
         return with_params[-1], True

@@ -295,7 +295,10 @@ def _python_docs(spec: PythonDocsDataset) -> Source:
     rows = python_docs.windows(python_docs.corpus(), spec.window)
     rows = rows[np.random.default_rng(spec.seed).permutation(len(rows))]
     held_out = 0 if spec.queries else len(rows) // 5
-    train = rows[: len(rows) - held_out][: spec.n_train]
+    pool_rows = len(rows) - held_out  # the training windows come first, whatever the queries: every offset reads the same order
+    if spec.train_offset >= pool_rows:
+        raise ConfigError("dataset.train_offset", f"train_offset={spec.train_offset} skips all {pool_rows} training windows of window={spec.window}", f"set dataset.train_offset below {pool_rows}")
+    train = rows[spec.train_offset : pool_rows][: spec.n_train]
     pool = rows[len(rows) - held_out :][: spec.n_test or 20 + spec.query_offset]
     x_test, y_test = python_docs.query_rows(spec.queries, spec.window) if spec.queries else (pool, pool)
     return Source(_in_memory_split(train, train, None), _in_memory_split(x_test, y_test, None), BYTE_CLASSES, None)

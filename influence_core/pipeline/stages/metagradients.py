@@ -1,6 +1,7 @@
 """Stage 5 for method magic: MAGIC's scores (n_test, n_train), one block of queries per Dask task, resumable.
 
-Each task rebuilds the model's initial weights from training.seed (as fit_model did), replays fit_model's training
+Each task rebuilds the model's initial weights as fit_model did (models.initial_model: the seed, training.init, the
+LoRA adapters; with adapters, the metagradients run through theirs alone, the frozen base a constant), replays fit_model's training
 (influence_core.magic) under the stage's torch threads, checks that the replay reaches the stored model, and writes
 its rows of the scores, then a marker (chunks.py). The scores array has one chunk row per block, so tasks never
 share an object; a rerun submits only the blocks not done. Self-influence is not computed (see check_magic).
@@ -26,7 +27,7 @@ from ..score.chunks import ChunkJob, Progress, execute
 from ..score.finite import check_finite
 from ..score.layout import DIMENSIONS, INNER_CHUNK_BYTES
 from ..store.loading import load_model, open_data
-from ..model.models import build_model
+from ..model.models import initial_model
 from ..store.refs import DataRef, ModelRef, ScoresRef
 from ..store.run_store import RunStore
 from ..specs import AggregateSpec, CandidatesSpec, ComputeSpec, MagicMethod, ModelSpec, TrainingSpec
@@ -50,6 +51,26 @@ def check_magic(model: ModelSpec, training: TrainingSpec, aggregate: AggregateSp
         raise ConfigError("candidates.knn_k", "method magic scores every training example in each reverse pass, so the FastIF prefilter saves nothing", "set candidates.knn_k to null with method magic")
     if aggregate.self_influence in ("exact", "lowrank"):
         raise ConfigError("aggregate.self_influence", f"method magic computes no self-influence ({NO_SELF_INFLUENCE})", "set aggregate.self_influence to auto or off with method magic")
+    if training.lora is not None and training.lora.dropout > 0:
+        raise ConfigError(
+            "training.lora.dropout", f"method magic replays fit_model's training, but adapter dropout ({training.lora.dropout}) draws random masks that a replay cannot retrace",
+            "set training.lora.dropout to 0 with method magic",
+        )
+
+
+def first_step_warning(training: TrainingSpec, n_train: int) -> str | None:
+    """One line when the replayed training's first step is a full Adam step: with both moments at 0 it moves every
+    weight by ±learning_rate, the sign of its batch gradient however small, so the trained model (and MAGIC's
+    derivative) is a step function of the loss weights wherever that gradient is near 0."""
+    recipe = training.recipe()
+    total = recipe.steps(n_train)
+    if total == 0 or recipe.step_size(0, total) == 0:
+        return None
+    return (
+        f"method magic: the first of the {total} training steps is a full Adam step (training.warmup={training.warmup} warms up {recipe.warmup_steps(total)} steps), "
+        "which moves every weight by ±learning_rate whatever its gradient's size, so the scores can describe that kink rather than the training "
+        "(see the summary's largest score over the median); set training.warmup (e.g. 0.05) to start from a step of 0"
+    )
 
 
 @dataclass(frozen=True)
@@ -78,7 +99,7 @@ class MagicInput(StageInput[ScoresRef]):
         return index * self.rows, min((index + 1) * self.rows, self.data.n_test)
 
     def plan(self) -> StageCall[ScoresRef]:
-        config = {"method": self.method.model_dump(mode="json"), "training": self.training.key_config(), "threads": self.compute.torch_threads}
+        config = {"method": self.method.model_dump(mode="json"), "training": self.training.recipe_config(), "threads": self.compute.torch_threads}
         output = 4 * self.data.n_test * self.data.n_train
         return StageCall("compute_influences", ScoresRef, config, {"data": self.data, "model": self.model}, self.store, self.compute.torch_threads, output_bytes=output)
 
@@ -122,8 +143,7 @@ class MagicJob(ChunkJob):
         stage = self.stage
         lo, hi = stage.bounds(index)
         with torch_threads(stage.compute.torch_threads), torch.random.fork_rng():  # fit_model's threads: the replay retraces its arithmetic
-            torch.manual_seed(stage.training.seed)  # the initial weights, as fit_model drew them
-            model = build_model(stage.model_spec, stage.data, stage.compute.torch_device)
+            model = initial_model(stage.model_spec, stage.training, stage.data, self.options, stage.compute.torch_device)  # as fit_model started
             xq, yq = examples.read(worker.x_test, slice(lo, hi)), examples.read(worker.y_test, slice(lo, hi))
             result = metagradients(model, stage.model_spec.make_task(), stage.training.recipe(), worker.x, worker.y, xq, yq, stage.method.checkpoint_every)
         _check_retraced(result.final, worker.trained)
@@ -177,7 +197,16 @@ def _compute(job: MagicJob, client_factory: Callable[[], Any], on_progress: Prog
         "n_chunks": stage.n_blocks, "chunks_computed": len(pending), "gradient_rows": 0, "work": work.as_dict(),
         "self_influence": {"mode": "off", "reason": NO_SELF_INFLUENCE},
         "parameters": _parameters(load_model(stage.model, stage.store.options)),
+        "spread": score_spread(group["scores"]),
     }
+
+
+def score_spread(scores: zarr.Array) -> float | None:
+    """The largest |score| over the median |score|: thousands where Adam's first full step made the trained model a
+    step function of the loss weights (docs/methods.md); None where the median is 0."""
+    magnitudes = np.abs(np.asarray(scores[...]))  # float32, as stored: the median needs every score at once
+    median = float(np.median(magnitudes))
+    return float(magnitudes.max()) / median if median > 0 and np.isfinite(median) else None
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, dict[str, Any]]:

@@ -28,7 +28,7 @@ from ...reduction import pairwise_sum, summed_tasks
 from ...work import forward_flops
 from ..runtime.cluster import place
 from ..store.refs import DataRef, ModelRef, StageRef
-from ..specs import ComputeSpec, MagicMethod, MethodSpec, ModelSpec
+from ..specs import ComputeSpec, MagicMethod, MethodSpec, ModelSpec, TrainingSpec
 from ..runtime.threads import TASK_THREADS, in_threads, torch_threads
 from ..store.loading import load_model, open_data, save_tensors, train_batches
 from ..store.stage import StageCall, StageInput, StageLocation
@@ -133,20 +133,20 @@ def factor_flops(im: KfacInfluence, x: Any, n_rows: int) -> float:
     return passes * FACTOR_PASS_FORWARDS * forward_flops(im.objective.model, x) * n_rows / examples.count(x)
 
 
-def check_method(method: MethodSpec, model: ModelSpec, data: DataRef, arrays: dict[str, Any]) -> None:
-    """Before training: build the method around the untrained model, so that what depends only on the model's
-    structure (module names in `method.modules` or a per-layer λ, λ > 0 where the method needs it) is refused in
-    seconds, not after training; method magic, that the model's training can be replayed (no dropout modules nor
-    running statistics, and a forward pass in training mode that draws no random numbers on the first training rows;
-    a forward pass that fails there is told as fit_model's probe tells it)."""
+def check_method(method: MethodSpec, model: ModelSpec, training: TrainingSpec, data: DataRef, arrays: dict[str, Any]) -> None:
+    """Before training: build the method around the untrained model (with its LoRA adapters), so that what depends
+    only on the model's structure (module names in `method.modules` or a per-layer λ, λ > 0 where the method needs it)
+    is refused in seconds, not after training; method magic, that the model's training can be replayed (no dropout
+    modules nor running statistics, and a forward pass in training mode that draws no random numbers on the first
+    training rows; a forward pass that fails there is told as fit_model's probe tells it)."""
+    structure = build_model(model, data, lora=training.lora)
     if isinstance(method, MagicMethod):
-        untrained = build_model(model, data)
-        check_replayable(untrained)
+        check_replayable(structure)
         x, y = examples.read(arrays["x_train"], slice(0, 64)), examples.read(arrays["y_train"], slice(0, 64))
-        probe_forward(Objective(untrained, model.make_task()), model, x, y)
-        check_deterministic(untrained, x)
+        probe_forward(Objective(structure, model.make_task()), model, x, y)
+        check_deterministic(structure, x)
         return
-    method.build(build_model(model, data), model.loss)
+    method.build(structure, model.loss)
 
 
 def _fit(stage: PreconditionerInput, client_factory: Callable[[], Any], loc: StageLocation) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import torch
 from ... import examples
 from ...errors import ConfigError
 from ...objective import Objective
-from ..model.models import build_model, checkpoint_content, check_model_fits, evaluate, load_into, load_state, save_stored, state_bytes, train
+from ..model.models import build_model, checkpoint_content, check_model_fits, evaluate, initial_model, load_into, load_state, save_stored, state_bytes, train, training_key
 from ..store.refs import DataRef, ModelRef
 from ..specs import CandidatesSpec, ModelSpec, TrainingSpec
 from ..score.finite import check_finite
@@ -34,6 +34,21 @@ def check_ensemble(training: TrainingSpec, model: ModelSpec, candidates: Candida
         )
 
 
+def check_start(training: TrainingSpec, model: ModelSpec) -> None:
+    """training.init and training.lora say how fit_model trains; model.checkpoint is a model trained already, loaded
+    without training: refused together, naming the training's field."""
+    if training.init and model.checkpoint:
+        raise ConfigError(
+            "training.init", f"fit_model fine-tunes from training.init, but model.checkpoint ({model.checkpoint}) is a trained model that it loads without training",
+            "to fine-tune, name the pretrained weights in training.init and leave model.checkpoint empty; to attribute a finished model, leave training.init empty",
+        )
+    if training.lora and model.checkpoint:
+        raise ConfigError(
+            "training.lora", f"fit_model trains LoRA adapters, but model.checkpoint ({model.checkpoint}) is a trained model that it loads without training",
+            "to fine-tune adapters, name the base weights in training.init and leave model.checkpoint empty; to attribute a finished model, leave training.lora empty",
+        )
+
+
 @dataclass(frozen=True)
 class TrainingInput(StageInput[ModelRef]):
     """The model and training specs, the data, and the torch threads and device the fit runs with (the device is not
@@ -51,18 +66,18 @@ class TrainingInput(StageInput[ModelRef]):
         if self.spec.checkpoint:
             config["checkpoint_content"] = checkpoint_content(self.spec.checkpoint, self.store.options)
         else:
-            config["training"] = self.training.key_config()
+            config |= training_key(self.spec, self.training, self.data, self.store.options)
         return StageCall("fit_model", ModelRef, config, {"train": self.data.training}, self.store, self.threads)
 
 
 def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
     spec, training, data, store = stage.spec, stage.training, stage.data, stage.store
     arrays = open_data(data, store.options)
-    with torch.random.fork_rng():
-        torch.manual_seed(training.seed)  # initialisation and dropout masks are part of the seeded, reproducible fit
-        model = build_model(spec, data, stage.device)
+    with torch.random.fork_rng():  # initialisation and dropout masks are part of the seeded, reproducible fit
         if spec.checkpoint:  # a checkpoint for another model is named as such, before the outputs are checked
-            load_into(model, load_state(spec.checkpoint, store.options))
+            model = load_into(build_model(spec, data, stage.device), load_state(spec.checkpoint, store.options))
+        else:  # initial weights for another model are refused here, before any training step
+            model = initial_model(spec, training, data, store.options, stage.device)
         check_model_fits(model, spec, arrays)
         if not spec.checkpoint:
             train(model, spec, training, arrays["x_train"], arrays["y_train"])
@@ -86,6 +101,7 @@ def _fit(stage: TrainingInput, loc: StageLocation) -> dict[str, Any]:
         "out_features": out_features,
         "feature_shape": list(data.feature_shape),
         "train_loss": None if spec.checkpoint else metrics["train_loss"],
+        "lora": None if training.lora is None else training.lora.model_dump(mode="json"),  # refused with a checkpoint
         "metrics": metrics,
     }
 

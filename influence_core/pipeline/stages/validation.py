@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -22,7 +23,7 @@ from ..store import integrity, storage
 from ... import examples
 from ...errors import ConfigError
 from ...lds import change_slope, linear_datamodeling_score
-from ..model.models import build_model, load_into, load_stored, save_stored, state_bytes, train
+from ..model.models import build_model, initial_model, load_into, load_stored, save_stored, state_bytes, train, training_key
 from ...objective import Objective
 from ..store.refs import DataRef, ModelRef, StageRef, ValidationRef
 from ..specs import ComputeSpec, ModelSpec, TrainingSpec, ValidationSpec
@@ -79,14 +80,15 @@ class ValidationJob:
 
 def retrained_model(job: ValidationJob, index: int, arrays: dict[str, Any]) -> tuple[torch.nn.Module, bool]:
     """The run's model retrained on subset `index`: read back when a run over the same training side stored it, else
-    trained here and stored. Returns it and whether it was trained now."""
+    trained here from the run's initial weights (its seed, training.init, its adapters) and stored. Returns it and
+    whether it was trained now."""
     with torch.random.fork_rng():
-        torch.manual_seed(job.training.seed)  # initialised from the seed, as the run's model was
-        model = build_model(job.model, job.data, job.device)
         try:
-            return load_into(model, load_stored(job.model_url(index), job.options, field="validate", device=job.device)), False
+            stored = load_stored(job.model_url(index), job.options, field="validate", device=job.device)
+            return load_into(build_model(job.model, job.data, job.device, job.training.lora), stored), False
         except (FileNotFoundError, ConfigError):  # not stored yet, or cut short by a crash, or damaged
             pass
+        model = initial_model(job.model, job.training, job.data, job.options, job.device)  # as the run's model started
         mask = subset_mask(job.spec, index, job.data.n_train)
         if job.spec.counterfactual == "weights":  # every batch of the full run, the removed rows weighted 0
             train(model, job.model, job.training, arrays["x_train"], arrays["y_train"], torch.from_numpy(mask))
@@ -195,15 +197,20 @@ class ValidationInput(StageInput[ValidationRef]):
     compute: ComputeSpec
 
     def plan(self) -> StageCall[ValidationRef]:
-        config = {"validate": self.spec.key_config(), "model": self.model_spec.hashed_dump(), "training": self.training.key_config()}
+        config = {"validate": self.spec.key_config(), "model": self.model_spec.hashed_dump(), **self.training_config}
         return StageCall("validate", ValidationRef, config, {"data": self.data, "model": self.model, "scores": self.scores}, self.store, self.compute.torch_threads)
+
+    @cached_property
+    def training_config(self) -> dict[str, Any]:
+        """The retrainings' recipe and start (training.init's content, a factory's weights), as fit_model's key has them."""
+        return training_key(self.model_spec, self.training, self.data, self.store.options)
 
     @property
     def models_url(self) -> str:
-        """Where the retrained models live: keyed on the training side, the recipe and the subsets' draw alone (never
-        the queries or the scores), so every run over the same training rows shares them."""
+        """Where the retrained models live: keyed on the training side, the recipe, its start and the subsets' draw
+        alone (never the queries or the scores), so every run over the same training rows shares them."""
         draw = {name: value for name, value in self.spec.key_config().items() if name in ("fraction", "seed", "counterfactual")}
-        config = {"model": self.model_spec.hashed_dump(), "training": self.training.key_config(), "subsets": draw, "threads": self.compute.torch_threads}
+        config = {"model": self.model_spec.hashed_dump(), **self.training_config, "subsets": draw, "threads": self.compute.torch_threads}
         return storage.join(self.store.cache_url, "retrain", stage_key("retrain", config, {"train": self.data.training}))
 
 

@@ -17,9 +17,9 @@ from ...errors import ConfigError
 from ...contraction import Rows, stream_rows
 from ...index_projection import IndexProjection
 from ...methods import InfluenceFunctionModel, KfacInfluence
-from ..model.models import load_into, load_stored, save_stored
+from ..model.models import build_model, load_into, load_stored, save_stored
 from .refs import DataRef, ModelRef, StageRef
-from ..specs import MethodSpec, ModelSpec
+from ..specs import LoraSpec, MethodSpec, ModelSpec
 
 
 def open_data(data: DataRef, options: dict[str, Any]) -> dict[str, Any]:
@@ -64,10 +64,9 @@ def batches_of(x: Any, y: Any, batch_size: int) -> Batches:
 
 
 def build_module(model: ModelRef, device: str = "cpu") -> nn.Module:
-    """The model's module on `device`, rebuilt from its spec, without its trained weights."""
-    spec = ModelSpec.model_validate(model.spec)
-    shape = tuple(model.feature_shape) if model.feature_shape is not None else None
-    return spec.build(model.in_features, model.out_features, shape).to(device=device, dtype=getattr(torch, spec.dtype))
+    """The model's module on `device`, rebuilt from its spec (with its LoRA adapters), without its trained weights:
+    its stored state_dict holds every weight, so neither the seed nor training.init is needed to load it."""
+    return build_model(ModelSpec.model_validate(model.spec), model, device, None if model.lora is None else LoraSpec.model_validate(model.lora))
 
 
 def load_model(model: ModelRef, options: dict[str, Any], device: str = "cpu") -> nn.Module:

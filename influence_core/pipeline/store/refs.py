@@ -117,6 +117,7 @@ class ModelRef(StageRef):
     train_loss: float | None
     metrics: dict[str, float] = {}  # train_loss, and train_accuracy where the task has one (each run's summary adds its queries')
     feature_shape: list[int] | None = None  # the inputs' shape, for architectures that need more than their size (cnn)
+    lora: dict[str, Any] | None = None  # training.lora's adapters (specs.LoraSpec): the stored state_dict is of the model wrapped with them
 
 
 class ScoresRef(StageRef):
@@ -129,6 +130,7 @@ class ScoresRef(StageRef):
     gradient_rows: int
     self_influence: dict[str, Any]
     candidates: dict[str, Any] = {}  # FastIF's prefilter: k, index, scored rows, feature and index seconds (empty: full scores)
+    spread: float | None = None  # method magic: the largest |score| over the median |score| (metagradients.score_spread)
 
 
 class IndexRef(StageRef):
