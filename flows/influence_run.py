@@ -110,6 +110,8 @@ def _member(run: StageRunner, params: RunParameters, data: DataRef, store: RunSt
     preconditioner = run(fit_preconditioner, PreconditionerInput(params.method, model, data, store, compute), index)
     indexed = compute.index_budget_gb > 0 and params.candidates.knn_k is None
     train_index = run(index_training, IndexInput(params.method, params.aggregate, model, data, preconditioner, store, compute), index) if indexed else None
+    if train_index is not None and "warning" in train_index.probe:  # the compression costs more than the probe allows
+        get_run_logger().warning(train_index.probe["warning"])
     # per-token scores split the factors by position in the model's coordinates: then the index's are not taken
     projected = train_index if train_index is not None and train_index.compression == "logra" and not params.aggregate.token_scores else None
     factors = run(compute_test_factors, QueryFactorsInput(params.method, model, data, preconditioner, store, threads, compute, projected), index)

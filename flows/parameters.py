@@ -21,7 +21,7 @@ from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, Compute
 
 FINGERPRINT = "{fingerprint}"  # in output_url: the run's parameter fingerprint, so each question has its own output
 PLACEMENT = {"compute": ("cluster", "address", "device", "n_workers", "in_process_gflop", "allow_multithreaded_workers"), "storage": ("endpoint_url", "region", "cache_url")}
-INDEX_FIELDS = ("index_budget_gb", "index_side", "index_dtype")  # the training index's options: hashed when not at their defaults
+INDEX_FIELDS = ("index_budget_gb", "index_side", "index_dtype", "index_probe")  # the training index's options: hashed when not at their defaults
 MAX_TEXT_CHARS = 4096  # a path, URL, name or option longer than this is a mistake (PATH_MAX is 4096)
 MAX_PARAMETERS_BYTES = 524_288  # Prefect's server refuses a flow run whose parameters' JSON is larger (server.api.max_parameter_size)
 

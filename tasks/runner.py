@@ -42,7 +42,7 @@ class StageRunner:
             mine = ref.producer == producer() and ref.created_at >= self.started  # not a concurrent run's work
             outcome = "computed" if mine else "found complete"
         self.refs[name] = ref
-        work = ref.model_dump(include={"work", "metrics", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters", "compression", "bytes_per_row", "skipped", "ran"})  # what the stage did
+        work = ref.model_dump(include={"work", "metrics", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters", "compression", "bytes_per_row", "skipped", "ran", "side", "sides", "total_bytes", "dim", "exact_dim", "probe"})  # what the stage did
         self.outcomes[name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}
         return ref
 
