@@ -154,8 +154,9 @@ class RunParameters(BaseModel):
         where = {"output_url": True, "overwrite": True, "compute": set(PLACEMENT["compute"]), "storage": set(PLACEMENT["storage"])}
         if not self.validation.subsets:
             where["validation"] = True
+        where["aggregate"] = {"rerank"} if self.aggregate.rerank == AggregateSpec().rerank else set()  # at its default: fingerprints from before it are unchanged
         if not self.aggregate.token_scores:  # off, it writes nothing: fingerprints of runs without it are unchanged
-            where["aggregate"] = {"token_scores"}
+            where["aggregate"].add("token_scores")
         defaults = ComputeSpec()
         where["compute"] |= {name for name in INDEX_FIELDS if getattr(self.compute, name) == getattr(defaults, name)}  # the index's defaults: fingerprints from before it are unchanged
         dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config(), "model": self.model.key_config(), "training": self.training.key_config()}  # type: ignore[arg-type]

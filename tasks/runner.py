@@ -26,14 +26,15 @@ class StageRunner:
         self.refs: dict[str, StageRef] = {}
         self.outcomes: dict[str, dict[str, Any]] = {}
 
-    def __call__(self, stage: Task[..., R], stage_input: StageInput[R], member: int = 0) -> R:
+    def __call__(self, stage: Task[..., R], stage_input: StageInput[R], member: int = 0, variant: str = "") -> R:
         """Run `stage` on its input. The input's call reads the manifest here, once; the task's body shares the answer.
-        An ensemble's member m > 0 is recorded as `stage[m]` (member 0 under the stage's own name)."""
+        An ensemble's member m > 0 is recorded as `stage[m]` (member 0 under the stage's own name); a second call of
+        a stage in one run (the exact query factors beside a compressed index's) as `stage (variant)`."""
         self.checkpoint()
         present = stage_input.call.existing() is not None
         wall = time.perf_counter()
-        name = f"{stage.name}[{member}]" if member else stage.name
-        named = {"task_run_name": name} if member else {}  # the Prefect UI shows member m's task run as stage[m]
+        name = (f"{stage.name}[{member}]" if member else stage.name) + (f" ({variant})" if variant else "")
+        named = {"task_run_name": name} if member or variant else {}  # the Prefect UI shows member m's task run as stage[m]
         state = stage.with_options(refresh_cache=not present, **named)(stage_input, return_state=True)
         ref: R = state.result().moved(self.store.resolve)  # stored relative to the output's root, which may have moved
         if state.name == "Cached":

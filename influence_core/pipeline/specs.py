@@ -648,6 +648,9 @@ class ComputeSpec(Spec):
         return self
 
 
+RERANK_PER_TOP_K = 8  # re-ranking's candidates a side at auto, per top-k example: W3's exact top 10 lie in its compressed (auto side) top 80 for 97% (helpful) and 95% (harmful)
+
+
 class AggregateSpec(Spec):
     top_k: int = Field(5, ge=1, title="Top k", description="How many most helpful and most harmful training examples to keep per query.")
     self_influence: Literal["auto", "exact", "lowrank", "off"] = Field(
@@ -665,6 +668,28 @@ class AggregateSpec(Spec):
         "(topk_helpful_token_scores, topk_harmful_token_scores, (n_test, k, T)), by one extra gradient pass over only those rows; "
         "the report shades each token by its score.",
     )
+    rerank: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", title="Re-ranked candidates",
+        description="With a compressed training index: each query's this many most helpful and most harmful candidates by the "
+        "index's scores are scored again exactly (one gradient pass over their union), so the top-k carry exact scores. "
+        f"auto: {RERANK_PER_TOP_K} × top_k; 0: off (the top-k are the compressed scores').",
+    )
+
+    @field_validator("rerank", mode="before")
+    @classmethod
+    def _rerank(cls, value: Any) -> Any:
+        return auto_or_count(value, "aggregate.rerank", 0)
+
+    @model_validator(mode="after")
+    def _rerank_holds_top_k(self) -> "AggregateSpec":
+        if self.rerank != "auto" and 0 < self.rerank < self.top_k:
+            raise ConfigError("aggregate.rerank", f"rerank={self.rerank} candidates a side cannot hold top_k={self.top_k}", f"set aggregate.rerank to at least {self.top_k}, to auto, or to 0 (off)")
+        return self
+
+    @property
+    def rerank_per_side(self) -> int:
+        """Candidates a side that re-ranking scores exactly (0: none)."""
+        return RERANK_PER_TOP_K * self.top_k if self.rerank == "auto" else self.rerank
 
 
 class ValidationSpec(Spec):

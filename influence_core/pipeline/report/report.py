@@ -276,11 +276,12 @@ def table_records(rows: list[QueryRow]) -> list[dict[str, Any]]:
 
 def stage_note(stage: dict[str, Any]) -> str:
     """What a stage's outcome says beyond its time: the model's losses and accuracies (fit_model), a compressed
-    index's side and probe check, and for a stage not computed by this run, what computing it cost when it was."""
+    index's side and probe check, what re-ranking scored, and for a stage not computed by this run, what computing
+    it cost when it was."""
     metrics = stage.get("metrics", {})
     shown = [f"{name.replace('_', ' ')} {value:.1%}" if name.endswith("accuracy") else f"{name.replace('_', ' ')} {value:.4g}" for name, value in metrics.items()]
     earlier = [] if stage["outcome"] == "computed" else [f"computed earlier in {stage['seconds']:.2f} s"]
-    return ", ".join(shown + _index_notes(stage) + earlier)
+    return ", ".join(shown + _index_notes(stage) + _rerank_notes(stage) + earlier)
 
 
 def _index_notes(stage: dict[str, Any]) -> list[str]:
@@ -298,6 +299,14 @@ def _index_notes(stage: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _rerank_notes(stage: dict[str, Any]) -> list[str]:
+    """What re-ranking scored exactly: candidates a side, their rows' gradients."""
+    candidates = stage.get("candidates") or {}
+    if "per_side" not in candidates:
+        return []
+    return [f"{candidates['per_side']} candidates a side re-scored exactly: {candidates['rows']:,} training rows' gradients, {candidates['entries']:,} scores"]
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The run summary as markdown: outputs, stage outcomes, what each cost this run, the model's losses and
     accuracies, the run's wall time, configuration."""
@@ -310,6 +319,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         f"- task: {summary['task']}",
         *[f"- parameters {kind}: {group['tensors']} tensors, {group['elements']:,} elements" for kind, group in summary.get("parameters", {}).items()],
         *([f"- {lds_line(summary['validation'])}"] if "validation" in summary else []),
+        *([f"- from the compressed training index: {', '.join(summary['exactness']['from_compressed_index'])}; exact: {', '.join(summary['exactness']['exact'])}"] if summary.get("exactness", {}).get("from_compressed_index") else []),
         "",
         "| stage | outcome | seconds this run | notes |",
         "|---|---|---|---|",
