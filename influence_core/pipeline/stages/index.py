@@ -30,7 +30,7 @@ from . import index_probe
 from ..store import integrity, storage
 from ... import examples
 from ...methods import IdentityInfluence, InfluenceFunctionModel, KfacInfluence
-from ...index_projection import IndexProjection, largest_side
+from ...index_projection import IndexProjection, largest_side, projected_dim
 from ...contraction import Batch
 from ...methods.scorer import Scorer
 from ...self_influence import SelfInfluencePlan, describe
@@ -223,11 +223,10 @@ def plan_layout(stage: IndexInput, im: InfluenceFunctionModel) -> Layout | str:
     fits = lambda dim: n_train * dim * itemsize <= budget  # noqa: E731
     projection = index_projection(im, stage.data, stage.store.options, 1 if compute.index_side == "auto" else compute.index_side)
     side = largest_side(projection.split, fits) if compute.index_side == "auto" else compute.index_side
-    if side is None or not fits(projection.resized(side).dim):
+    if side is None or not fits(projected_dim(projection.split, side)):
         tried = "at side 1, the smallest" if side is None else f"at index_side={side}"
-        return f"{storage.megabytes(n_train * projection.resized(side or 1).dim * itemsize)} even compressed ({tried}) exceeds compute.index_budget_gb={compute.index_budget_gb:g}"
-    if side != projection.side:
-        projection = projection.resized(side)
+        return f"{storage.megabytes(n_train * projected_dim(projection.split, side or 1) * itemsize)} even compressed ({tried}) exceeds compute.index_budget_gb={compute.index_budget_gb:g}"
+    projection = projection if side == projection.side else projection.resized(side)
     return Layout(projection.dim, stored(True), "logra", side, projection)
 
 
@@ -239,7 +238,7 @@ def _compute(stage: IndexInput, client_factory: Callable[[], Any], on_progress: 
         skipped = {"compression": "skipped", "skipped": f"{layout}: scoring recomputes the training gradients; set a method.projection, a smaller compute.index_side (or auto), or raise compute.index_budget_gb"}
         integrity.write_checked(loc.path("skipped.json"), json.dumps(skipped).encode(), stage.store.options)  # the decision, kept as the stage's output
         return {"url": loc.path("skipped.json"), "fingerprint": loc.key, "shape": (n_train, im.factor_dim), "dtype": str(im.objective.space.dtype).removeprefix("torch."), "bytes_per_row": 0, **skipped}
-    probed = index_probe.probe_rows(n_train, stage.compute.index_probe) if layout.projection is not None and stage.compute.index_probe else None
+    probed = index_probe.probe_rows(n_train, stage.compute.index_probe) if layout.projection is not None and stage.compute.index_probe and n_train > 1 else None
     job = IndexJob(stage, index_chunk_rows(n_train, layout.row_bytes, stage.compute.train_chunk_rows), layout.side, probed is not None)
     work = Work()
     plan = self_influence_plan(job, 0, lambda: im, stage.aggregate, None, work)  # no queries here: auto's sketch takes self_influence_rank
