@@ -42,7 +42,9 @@ serve: $(STAMP)
 
 # Agreement, leave-one-out and mislabels (quality.py), then the LDS of every method and the peers' (lds.py: retrained
 # subset models cached under benchmarks/.scratch/lds/, the peers' venvs built on first use under benchmarks/.venvs/), the
-# compressed training index against the exact one on those problems (index_quality.py), then per-token scores on a
+# compressed training index against the exact one on those problems and, through the pipeline, on the wide digits MLP
+# where compression bites (index_quality.py: LDS uncompressed, side 64, auto, auto + re-ranking), re-ranking's recall
+# and cost on W3 and over a 1,000,000-row index (index_rerank.py), then per-token scores on a
 # planted fact (planted_fact.py: the text demo's corpus with one unique sentence, two models), then MAGIC beside Direct,
 # EK-FAC and TRAK on the digits MLP and CNN through the pipeline's own validate stage, on the default recipe, a smooth
 # one and a decayed one (magic_lds.py, ~40 min), and what those recipes cost in held-out accuracy (recipe_accuracy.py)
@@ -50,6 +52,8 @@ quality: $(STAMP)
 	$(BIN)/python benchmarks/quality.py
 	$(BIN)/python benchmarks/lds.py
 	$(BIN)/python benchmarks/index_quality.py
+	$(BIN)/python benchmarks/index_rerank.py w3
+	$(BIN)/python benchmarks/index_rerank.py scale
 	$(BIN)/python benchmarks/planted_fact.py
 	$(BIN)/python benchmarks/magic_lds.py
 	$(BIN)/python benchmarks/recipe_accuracy.py

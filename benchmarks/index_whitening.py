@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from influence_core import examples, index_projection  # noqa: E402
 from influence_core.methods.scorer import Scorer  # noqa: E402
-from influence_core.pipeline.specs import MethodSpec  # noqa: E402
+from influence_core.pipeline.specs import MethodSpec, StorageSpec  # noqa: E402
 from influence_core.pipeline.store.loading import index_projection as build_projection, load_influence_model, open_data  # noqa: E402
 from influence_core.pipeline.store.refs import DataRef, ModelRef, StageRef  # noqa: E402
+from influence_core.pipeline.store.run_store import RunStore  # noqa: E402
 
 
 def manifest(cache: Path, stage: str) -> dict[str, Any]:
@@ -64,11 +65,12 @@ def index_rows(im: Any, x: Any, y: torch.Tensor, projection: Any, formed: bool) 
 
 def cached_run(cache: Path) -> tuple[Any, DataRef, Any, torch.Tensor, Any, torch.Tensor]:
     """The cache's fitted influence model, its data, and the training and query rows: (im, data, x, y, xq, yq)."""
-    data = DataRef.model_validate(manifest(cache, "prepare_data")["output"])
-    model = ModelRef.model_validate(manifest(cache, "fit_model")["output"])
+    store = RunStore(output_url=str(cache), storage=StorageSpec(cache_url=str(cache)))  # manifests record "{cache}/..."
+    data = DataRef.model_validate(manifest(cache, "prepare_data")["output"]).moved(store.resolve)
+    model = ModelRef.model_validate(manifest(cache, "fit_model")["output"]).moved(store.resolve)
     curvature = manifest(cache, "fit_preconditioner")
     method = TypeAdapter(MethodSpec).validate_python(curvature["arguments"]["method"])
-    im = load_influence_model(method, model, data, StageRef.model_validate(curvature["output"]), {})
+    im = load_influence_model(method, model, data, StageRef.model_validate(curvature["output"]).moved(store.resolve), {})
     arrays = open_data(data, {})
     x, y = examples.read(arrays["x_train"]), torch.as_tensor(np.asarray(arrays["y_train"][:]))
     xq, yq = examples.read(arrays["x_test"]), torch.as_tensor(np.asarray(arrays["y_test"][:]))

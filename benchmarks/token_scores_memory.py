@@ -1,6 +1,6 @@
 """Peak RSS of per-token storage (issue 37 item 5): the aggregate step of `aggregate.token_scores` on the text demo's
 model shape (byte-level causal transformer, d_model 128, 2 blocks, EK-FAC), at T = 128 and T = 512, each in its own
-process: the sequence scores alone, then the same plus each query's top-k rows per token, query by query as
+process: the sequence scores alone, then the same plus each query's top-k rows per token, their union captured once as
 `influence_core/pipeline/score/token_scores.py` does. Usage: python -m benchmarks.token_scores_memory [--n-train 256]"""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 
 from influence_core import EkfacInfluence
 from influence_core.methods.scorer import Scorer
-from influence_core.pipeline.score.token_scores import query_rows
 from influence_core.pipeline.model.transformer import TokenTransformer
 from influence_core.task import LanguageModelling
 
@@ -33,10 +32,9 @@ def measure(positions: int, n_train: int, n_test: int, k: int, tokens: bool) -> 
     started = time.perf_counter()
     if tokens:
         helpful, harmful = scores.topk(k, dim=1).indices.numpy(), scores.topk(k, dim=1, largest=False).indices.numpy()
-        out = np.zeros((2, n_test, k, positions), dtype=np.float32)
-        for q in range(n_test):
-            rows = np.concatenate([helpful[q], harmful[q]])
-            out[:, q] = Scorer(im, query_rows(factors, slice(q, q + 1)), None, per_token=True)(x[rows], x[rows])[0][0].detach().numpy().reshape(2, k, positions)
+        union, where = np.unique(np.concatenate([helpful, harmful], axis=1), return_inverse=True)
+        queries = torch.arange(n_test).repeat_interleave(2 * k)
+        Scorer(im, factors, None, per_token=True).entries(x[union], x[union], queries, torch.from_numpy(where.reshape(-1))).detach().numpy().reshape(n_test, 2, k, positions)
     return {"T": positions, "token_scores": tokens, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "token_seconds": round(time.perf_counter() - started, 2)}
 
 

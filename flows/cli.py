@@ -212,6 +212,8 @@ def execute(params: RunParameters) -> None:
     for name, stage in summary["stages"].items():  # what each stage cost this run; a cached one notes its first cost
         console.print(f"  {name:<24} {stage['outcome']:<15} {stage['wall_seconds']:8.2f} s   {stage_note(stage)}".rstrip(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"  {'whole run':<24} {'wall time':<15} {summary['wall_seconds']:8.2f} s", markup=False, highlight=False, soft_wrap=True)
+    if summary["exactness"]["from_compressed_index"]:
+        console.print(f"From the compressed index: {', '.join(summary['exactness']['from_compressed_index'])}; exact: {', '.join(summary['exactness']['exact'])}", markup=False, highlight=False, soft_wrap=True)
     if "validation" in summary:
         from influence_core.pipeline.report.report import lds_line
 
@@ -290,10 +292,12 @@ def query(
     search: Annotated[str, typer.Option(help="scan: score every index row (exact); faiss: candidates from a FAISS inner-product index over the rows, built once and kept beside the index.")] = "scan",
     faiss_index: Annotated[str, typer.Option(help="With --search faiss: flat (exact), ivf or hnsw (approximate); auto: flat up to 100,000 rows, ivf above.")] = "auto",
     nprobe: Annotated[Optional[int], typer.Option(show_default="1/16 of the lists", help="With an ivf index: lists searched per query (more: slower, higher recall).")] = None,
+    rerank: Annotated[Optional[int], typer.Option(min=0, show_default="8 × --top", help="Over a compressed index: each query's this many most helpful and most harmful candidates are scored again exactly from their training rows' gradients, so the top-k carry exact scores; 0: off.")] = None,
     cache_url: CacheUrl = None,
 ) -> None:
     """Score new queries against a finished run's training index, in this process: its model, curvature and index
-    come from the run's store, and no training gradient is evaluated."""
+    come from the run's store, and no training gradient is evaluated but, over a compressed index, those of each
+    query's re-ranked candidates."""
     import time
 
     from influence_core.errors import ConfigError
@@ -304,12 +308,13 @@ def query(
     output = open_store(output_url, endpoint_url, "--output-url") if output_url else None
     start = time.perf_counter()
     try:
-        found, rows, method = ask(store, queries, top, output, how)
+        found, rows, method = ask(store, queries, top, output, how, rerank=rerank)
     except ConfigError as exc:
         raise fail([str(exc)], 1) from None
     print_table(rows, f"{store.output_url}: method={method}, new queries against its training index")
-    work = found.work
-    console.print(f"{len(rows)} queries in {time.perf_counter() - start:.2f} s: {work.gradient_rows} gradient rows (the queries'), {work.index_rows} index rows read ({work.index_bytes / 1e6:.1f} MB)")
+    work, reranked = found.work, found.search.get("rerank")
+    whose = f"the queries' and {reranked['rows']} candidates'" if reranked else "the queries'"
+    console.print(f"{len(rows)} queries in {time.perf_counter() - start:.2f} s: {work.gradient_rows} gradient rows ({whose}), {work.index_rows} index rows read ({work.index_bytes / 1e6:.1f} MB)")
     console.print(search_line(found.search), markup=False, soft_wrap=True)
 
 
@@ -333,11 +338,13 @@ def search_spec(kind: str, index: str, nprobe: int | None) -> SearchSpec:
 
 def search_line(search: dict[str, Any]) -> str:
     """How the answer's top-k was found, as `query` prints it."""
+    reranked = search.get("rerank")
+    then = f"; each query's {reranked['per_side']} most helpful and most harmful re-ranked exactly, so the top-k scores are exact" if reranked else ""
     if search["kind"] != "faiss":
-        return "search: exact scan of the index"
+        return f"search: scan of the index{then}" if reranked else "search: exact scan of the index"
     settings = ", ".join(f"{name} {search[name]}" for name in ("nlist", "nprobe", "neighbours", "ef_search") if name in search)
     kept = f"built in {search['build_seconds']:.1f} s and kept" if search["built"] else f"loaded in {search['seconds']:.1f} s (built once in {search['build_seconds']:.1f} s)"
-    return f"search: FAISS {search['index']} inner-product index{f' ({settings})' if settings else ''}, {search['candidates_per_query']} candidates a side per query scored exactly; {kept}: {search['url']}"
+    return f"search: FAISS {search['index']} inner-product index{f' ({settings})' if settings else ''}, {search['candidates_per_query']} candidates a side per query scored against the index; {kept}: {search['url']}{then}"
 
 
 @app.command()

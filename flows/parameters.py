@@ -21,7 +21,7 @@ from influence_core.pipeline.specs import AggregateSpec, CandidatesSpec, Compute
 
 FINGERPRINT = "{fingerprint}"  # in output_url: the run's parameter fingerprint, so each question has its own output
 PLACEMENT = {"compute": ("cluster", "address", "device", "n_workers", "in_process_gflop", "allow_multithreaded_workers"), "storage": ("endpoint_url", "region", "cache_url")}
-INDEX_FIELDS = ("index_budget_gb", "index_side", "index_dtype")  # the training index's options: hashed when not at their defaults
+INDEX_FIELDS = ("index_budget_gb", "index_side", "index_dtype", "index_probe")  # the training index's options: hashed when not at their defaults
 MAX_TEXT_CHARS = 4096  # a path, URL, name or option longer than this is a mistake (PATH_MAX is 4096)
 MAX_PARAMETERS_BYTES = 524_288  # Prefect's server refuses a flow run whose parameters' JSON is larger (server.api.max_parameter_size)
 
@@ -168,8 +168,9 @@ class RunParameters(BaseModel):
         where = {"output_url": True, "overwrite": True, "compute": set(PLACEMENT["compute"]), "storage": set(PLACEMENT["storage"])}
         if not self.validation.subsets:
             where["validation"] = True
+        where["aggregate"] = {"rerank"} if self.aggregate.rerank == AggregateSpec().rerank else set()  # at its default: fingerprints from before it are unchanged
         if not self.aggregate.token_scores:  # off, it writes nothing: fingerprints of runs without it are unchanged
-            where["aggregate"] = {"token_scores"}
+            where["aggregate"].add("token_scores")
         defaults = ComputeSpec()
         where["compute"] |= {name for name in INDEX_FIELDS if getattr(self.compute, name) == getattr(defaults, name)}  # the index's defaults: fingerprints from before it are unchanged
         dumped = {**self.model_dump(mode="json", exclude=where), "dataset": self.dataset.key_config(), "model": self.model.key_config(), "training": self.training.key_config()}  # type: ignore[arg-type]

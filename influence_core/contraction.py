@@ -190,6 +190,13 @@ class Rows:
     rest: torch.Tensor | None
     count: int
 
+    def take(self, index: slice | torch.Tensor) -> "Rows":
+        """Some of the rows (a slice: views; indices: copies), per layer and of the rest."""
+        layers = {name: LayerRows(**{k: t[index] for k, t in _parts(rows).items()}) for name, rows in self.layers.items()}
+        rest = None if self.rest is None else self.rest[index]
+        count = len(range(*index.indices(self.count))) if isinstance(index, slice) else len(index)
+        return Rows(layers, rest, count)
+
     @staticmethod
     def from_flat(flat: torch.Tensor, split: GradientSplit, order: RowOrder = "parameters") -> "Rows":
         """Each layer's rows as one contiguous (m, out, in) tensor: its GEMMs then read them as a matrix, where a
@@ -248,6 +255,11 @@ class Batch:
     def shares(self, cut: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(a, g) of each share in a cut's gradient: its layer's own capture, or a tied weight's shares."""
         return [share.read(self) for share in self.tied[cut]] if cut in self.tied else [(self.a(cut), self.g(cut))]
+
+    def take(self, index: torch.Tensor) -> "Batch":
+        """The examples `index` of this batch (repeats allowed), captures and rest, in the same basis."""
+        capture = Capture({name: a[index] for name, a in self.capture.a.items()}, {name: [g[index] for g in gs] for name, gs in self.capture.g.items()})
+        return Batch(capture, None if self.rest is None else self.rest[index], len(index), self.dtype, self.device, self.tied)
 
 
 def gradient_batch(split: GradientSplit, x: torch.Tensor, y: torch.Tensor, work: Work, measure: bool = False) -> Batch:

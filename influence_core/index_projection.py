@@ -18,6 +18,7 @@ outside the cuts (the vmapped rest: biases of normalisations and the like, few) 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +37,7 @@ WHITENING_RTOL = 1e-3  # the largest relative error of an entry of the factored 
 FORMED_COST = 1.5
 OVERSAMPLE = 10  # singular triples beyond the rank wanted, for the randomized range finder's accuracy
 FIRST_RANK = 16  # the whitening's rank search starts here and doubles
+MAX_SIDE = 4096  # the largest side a compressed index takes (compute.index_side's bound)
 
 
 def orthogonal_rows(k: int, n: int, key: list[int]) -> torch.Tensor:
@@ -143,6 +145,30 @@ def factored_projection(a: torch.Tensor, g: torch.Tensor, phi: tuple[torch.Tenso
     return out.reshape(n, -1)
 
 
+def cut_sides(cut: LayerCut, side: int) -> tuple[int, int]:
+    """A cut's k_out, k_in at `side`: the side, or the matrix's own size where smaller (kept exactly, Φ = I)."""
+    return min(side, cut.shape[0]), min(side, cut.shape[1])
+
+
+def projected_dim(split: GradientSplit, side: int) -> int:
+    """Numbers per row of a split projected at `side`: each cut's k_out·k_in, then the rest's columns as they are."""
+    rest = 0 if split.rest_columns is None else len(split.rest_columns)
+    return sum(k_out * k_in for k_out, k_in in (cut_sides(cut, side) for cut in split.cuts)) + rest
+
+
+def largest_side(split: GradientSplit, fits: Callable[[int], bool]) -> int | None:
+    """The largest side (at most MAX_SIDE, and no larger than the split's largest matrix, past which no cut grows)
+    whose row of `projected_dim` numbers `fits`; None when not even side 1 fits. The dimension grows with the side,
+    so the side is bisected."""
+    lo, hi = 1, min(MAX_SIDE, max((max(cut.shape) for cut in split.cuts), default=1))
+    if not fits(projected_dim(split, lo)):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(projected_dim(split, mid)) else (lo, mid - 1)
+    return lo
+
+
 class IndexProjection:
     """Φ_out ⊗ Φ_in of side at most `side` for every cut of a gradient split, seeded by (seed, cut number); the rest
     columns kept. `training` maps a captured batch and `factors` flat query factors to the same `dim` coordinates.
@@ -178,12 +204,16 @@ class IndexProjection:
 
     def sides(self, cut: LayerCut) -> tuple[int, int]:
         """k_out, k_in: `side`, or the matrix's own size when smaller (such a side is kept exactly, Φ = I)."""
-        return min(self.side, cut.shape[0]), min(self.side, cut.shape[1])
+        return cut_sides(cut, self.side)
 
     @property
     def dim(self) -> int:
-        rest = 0 if self.split.rest_columns is None else len(self.split.rest_columns)
-        return sum(k_out * k_in for k_out, k_in in map(self.sides, self.split.cuts)) + rest
+        return projected_dim(self.split, self.side)
+
+    def resized(self, side: int) -> "IndexProjection":
+        """The same projection (split, seed, whitening diagonal) at another side; nothing that depends on the side
+        (Φ, the whitening's capped factors) is carried over."""
+        return IndexProjection(self.split, self.order, side, self.seed, self.damped, self.whitening_rtol, positions=self.positions)
 
     def _factors(self, index: int, cut: LayerCut, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if index not in self._phi:

@@ -26,14 +26,15 @@ class StageRunner:
         self.refs: dict[str, StageRef] = {}
         self.outcomes: dict[str, dict[str, Any]] = {}
 
-    def __call__(self, stage: Task[..., R], stage_input: StageInput[R], member: int = 0) -> R:
+    def __call__(self, stage: Task[..., R], stage_input: StageInput[R], member: int = 0, variant: str = "") -> R:
         """Run `stage` on its input. The input's call reads the manifest here, once; the task's body shares the answer.
-        An ensemble's member m > 0 is recorded as `stage[m]` (member 0 under the stage's own name)."""
+        An ensemble's member m > 0 is recorded as `stage[m]` (member 0 under the stage's own name); a second call of
+        a stage in one run (the exact query factors beside a compressed index's) as `stage (variant)`."""
         self.checkpoint()
         present = stage_input.call.existing() is not None
         wall = time.perf_counter()
-        name = f"{stage.name}[{member}]" if member else stage.name
-        named = {"task_run_name": name} if member else {}  # the Prefect UI shows member m's task run as stage[m]
+        name = (f"{stage.name}[{member}]" if member else stage.name) + (f" ({variant})" if variant else "")
+        named = {"task_run_name": name} if member or variant else {}  # the Prefect UI shows member m's task run as stage[m]
         state = stage.with_options(refresh_cache=not present, **named)(stage_input, return_state=True)
         ref: R = state.result().moved(self.store.resolve)  # stored relative to the output's root, which may have moved
         if state.name == "Cached":
@@ -42,7 +43,7 @@ class StageRunner:
             mine = ref.producer == producer() and ref.created_at >= self.started  # not a concurrent run's work
             outcome = "computed" if mine else "found complete"
         self.refs[name] = ref
-        work = ref.model_dump(include={"work", "metrics", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters", "compression", "bytes_per_row", "skipped", "ran"})  # what the stage did
+        work = ref.model_dump(include={"work", "metrics", "n_chunks", "chunks_computed", "gradient_rows", "self_influence", "candidates", "parameters", "compression", "bytes_per_row", "skipped", "ran", "side", "sides", "total_bytes", "dim", "exact_dim", "probe"})  # what the stage did
         if getattr(ref, "spread", None) is not None:  # method magic's scores: their largest over their median
             work["spread"] = ref.spread  # type: ignore[attr-defined]
         self.outcomes[name] = {"outcome": outcome, "seconds": ref.seconds, "wall_seconds": round(time.perf_counter() - wall, 3), "url": ref.url, "fingerprint": ref.fingerprint, **work}

@@ -5,7 +5,8 @@ exported here for the flow."""
 from __future__ import annotations
 
 from influence_core.pipeline.stages import aggregation, index, metagradients, preconditioner, prepare, query_factors, training, validation
-from influence_core.pipeline.score import scoring
+from influence_core.pipeline.score import rerank as reranking, scoring
+from influence_core.pipeline.score.rerank import RerankInput
 from influence_core.pipeline.stages.aggregation import AggregationInput
 from influence_core.pipeline.stages.index import IndexInput
 from influence_core.pipeline.stages.metagradients import MagicInput
@@ -23,8 +24,8 @@ from .policy import stage_task
 from .progress import ChunkProgress
 
 __all__ = [
-    "AggregationInput", "IndexInput", "MagicInput", "Member", "PreconditionerInput", "PrepareInput", "QueryFactorsInput", "ScoringInput", "TrainingInput", "ValidationInput",
-    "aggregate", "compute_influences", "compute_metagradients", "compute_test_factors", "fit_model", "fit_preconditioner", "index_training", "prepare_data", "validate_run",
+    "AggregationInput", "IndexInput", "MagicInput", "Member", "PreconditionerInput", "PrepareInput", "QueryFactorsInput", "RerankInput", "ScoringInput", "TrainingInput", "ValidationInput",
+    "aggregate", "compute_influences", "compute_metagradients", "compute_test_factors", "fit_model", "fit_preconditioner", "index_training", "prepare_data", "rerank", "validate_run",
 ]
 
 prepare_data = stage_task("prepare_data")(prepare.run)  # dataset → row-chunked Zarr arrays with a content fingerprint
@@ -60,6 +61,14 @@ def compute_influences(stage: ScoringInput) -> ScoresRef:
     """Scores (and self-influences) for every (query, training example), or FastIF's candidate scores, one train chunk per Dask task; resumes where it stopped."""
     thread_safe = METHOD_CLASSES[stage.method.name].thread_safe
     return scoring.run(stage, client_factory=lambda: dask_client(stage.compute, thread_safe), on_progress=ChunkProgress("compute_influences"))
+
+
+@stage_task("rerank")
+def rerank(stage: RerankInput) -> ScoresRef:
+    """Each query's candidates by a compressed index's scores, scored again exactly: one gradient pass over their
+    union, one train chunk per Dask task; resumes where it stopped."""
+    thread_safe = METHOD_CLASSES[stage.method.name].thread_safe
+    return reranking.run(stage, client_factory=lambda: dask_client(stage.compute, thread_safe), on_progress=ChunkProgress("rerank", "train chunks with candidates"))
 
 
 @stage_task("compute_influences")

@@ -55,9 +55,17 @@ def model_section(spec: dict, checkpoint: Path) -> dict:
     return {"architecture": "mlp", "hidden": spec["hidden"], "activation": spec["activation"], "output_dim": spec["classes"], "checkpoint": str(checkpoint)}
 
 
+def rerank_off() -> dict:
+    """The `aggregate` setting that leaves re-ranking out in this version (the library side re-ranks nothing), or {}
+    when it has none."""
+    from influence_core.pipeline.specs import AggregateSpec
+
+    return {"rerank": 0} if "rerank" in AggregateSpec.model_fields else {}
+
+
 def parameters(workload: Path, method: dict, regularization: float, out: Path, compute: dict) -> dict:
     spec = json.loads((workload / "workload.json").read_text())
-    aggregate = {"top_k": 5, **self_influence_off()}
+    aggregate = {"top_k": 5, **self_influence_off(), **rerank_off()}
     return {
         "output_url": str(out),
         "dataset": {"source": "npz", "path": str(workload / "data.npz")},

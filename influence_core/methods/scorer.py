@@ -17,6 +17,8 @@ from ..projection import Projector
 from ..self_influence import Diagonal, SelfInfluencePlan, Sketch, Solve
 from ..work import Work
 
+DENSE_SHARE = 4  # `entries`: a batch whose entries fill this share of its (query, example) pairs scores them all at once
+
 
 class ScoredModel(Protocol):
     """What the scorer needs of a fitted influence model (`InfluenceFunctionModel` has it): declared here, so the
@@ -79,6 +81,46 @@ class Scorer:
             scores.append(s)
             values.append(v)
         return (torch.cat(scores, dim=1) if self.scoring else None), (None if self.plan is None else torch.cat(values))
+
+    def entries(self, x: torch.Tensor, y: torch.Tensor, queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Scores of chosen (query, example) entries only: query queries[e]'s factor against example rows[e] of (x, y),
+        (E,), or per training token (E, T). Each example is captured once, in the method's basis, and each query
+        meets only its own examples: one contraction per query and batch, so the work follows the entries, not
+        queries × examples; a batch whose entries fill at least 1/DENSE_SHARE of its (query, example) pairs is
+        scored against all its queries at once, then picked."""
+        out: torch.Tensor | None = None
+        for lo in range(0, examples.count(x), self.im.batch_size):
+            inside = torch.nonzero((rows >= lo) & (rows < lo + self.im.batch_size)).flatten()
+            if len(inside):
+                batch = self.im.gradient_batch(examples.take(x, slice(lo, lo + self.im.batch_size)), y[lo : lo + self.im.batch_size])
+                values = self._batch_entries(batch, queries[inside], rows[inside] - lo)
+                out = values.new_zeros(len(queries), *values.shape[1:]) if out is None else out
+                out[inside] = values
+        assert out is not None, "no entries to score"
+        return out
+
+    def _batch_entries(self, batch: Batch, queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`entries` of one captured batch (rows: its positions): every query of the batch at once when its entries
+        fill 1/DENSE_SHARE of the pairs, else each query against its own examples."""
+        asked = torch.unique(queries)
+        if not self.per_token and len(rows) * DENSE_SHARE >= len(asked) * batch.n:
+            scores = self._for(asked).batch(batch)[0]
+            assert scores is not None
+            return scores[torch.searchsorted(asked, queries), rows]
+        values = None
+        for query in asked.tolist():
+            mine = torch.nonzero(queries == query).flatten()
+            scores = self._for(torch.tensor([query])).batch(batch.take(rows[mine]))[0]
+            assert scores is not None
+            values = scores.new_empty(len(rows), *scores.shape[2:]) if values is None else values
+            values[mine] = scores[0]
+        assert values is not None
+        return values
+
+    def _for(self, queries: torch.Tensor) -> "Scorer":
+        """A scorer of these queries' factors alone (no self-influence), sharing this one's model."""
+        factors = self.rows().take(queries) if self.im.contracts() else self.factors[queries]  # type: ignore[index]
+        return Scorer(self.im, factors, None, self.per_token)
 
     def features(self, x: torch.Tensor, y: torch.Tensor, project: Callable[[Batch], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-example features (n, p') of (x, y), what scores contract with the query factors (the training index's

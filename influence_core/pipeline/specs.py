@@ -25,6 +25,7 @@ from .sources.dotted import DOTTED, make_from
 from ..errors import ConfigError
 from .model.losses import LossName
 from .model.transformer import TokenTransformer
+from ..index_projection import MAX_SIDE
 from ..projection import Projection
 from ..task import BUILTIN, Classification, Task
 from ..training import AdamRecipe, LrDecay
@@ -116,6 +117,15 @@ def misfit_number(value: Any, hint: Any, bounds: tuple[str, ...] = ()) -> str | 
     if hint is float and (isinstance(value, bool) or not _is_finite(value)):
         return f"a finite number{limits}"
     return None
+
+
+def auto_or_count(value: Any, field: str, low: int, high: int | None = None) -> Any:
+    """A setting that is "auto" or a whole number in [low, high] (no bound when high is None), else one line naming
+    the field (pydantic reports a union's members one line each)."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)):
+        return value
+    numbers = f"a whole number from {low} to {high}" if high is not None else f"a whole number, {low} or more"
+    raise ConfigError(field, f"the value is neither auto nor {numbers}", f"set {field} to auto or {numbers}")
 
 
 class Spec(BaseModel):
@@ -725,18 +735,30 @@ class ComputeSpec(Spec):
         1.0, ge=0, title="Training index budget (GB)",
         description="Index once, query many: every training example's features (its gradient in the method's coordinates) are "
         "stored once (index_training) when n_train × dimension fits this many GB, and every later run scores its queries against "
-        "them without a training gradient; larger, it is compressed (LoGra: index_side² numbers per layer, stored as index_dtype). "
+        "them without a training gradient; larger, it is compressed (LoGra: index_side² numbers per layer, stored as index_dtype, the side "
+        "the largest that fits by default). "
         "0: no index (each run recomputes the training gradients).",
     )
-    index_side: int = Field(
-        64, ge=1, le=4096, title="Compressed index side",
-        description="A compressed index projects each layer's gradient matrix to index_side × index_side numbers (Φ_out G Φ_inᵀ, Gaussian, "
-        "the same on the query side): larger is closer to the exact scores and costs index_side² numbers per layer and example.",
+    index_side: Annotated[int, Field(ge=1, le=MAX_SIDE)] | Literal["auto"] = Field(
+        "auto", title="Compressed index side",
+        description="A compressed index projects each layer's gradient matrix to side × side numbers (Φ_out G Φ_inᵀ, the same on the "
+        "query side; a layer smaller than the side is kept whole). auto: the largest side whose index fits index_budget_gb; a number "
+        "fixes it. Larger is closer to the exact scores and costs side² numbers per layer and example.",
+    )
+    index_probe: int = Field(
+        16, ge=0, le=256, title="Index probe rows",
+        description="A compressed index is checked in its own pass: this many training rows (seeded) are scored against every "
+        "training row exactly and through the index, and summary.json reports the recall@10 and Pearson of the two. 0: no check.",
     )
     index_dtype: Literal["auto", "float32", "float16"] = Field(
         "auto", title="Index storage dtype",
         description="auto: the model's dtype for an exact index, float16 for a compressed one; or float32, float16.",
     )
+
+    @field_validator("index_side", mode="before")
+    @classmethod
+    def _side(cls, value: Any) -> Any:
+        return auto_or_count(value, "compute.index_side", 1, MAX_SIDE)
 
     @property
     def torch_device(self) -> str:
@@ -748,6 +770,9 @@ class ComputeSpec(Spec):
         if self.cluster == ClusterKind.address.value and not self.address:
             raise ConfigError("compute.address", "cluster=address needs the scheduler's address", "set compute.address, e.g. tcp://127.0.0.1:8786")
         return self
+
+
+RERANK_PER_TOP_K = 8  # re-ranking's candidates a side at auto, per top-k example: W3's exact top 10 lie in its compressed (auto side) top 80 for 97% (helpful) and 95% (harmful)
 
 
 class AggregateSpec(Spec):
@@ -767,6 +792,28 @@ class AggregateSpec(Spec):
         "(topk_helpful_token_scores, topk_harmful_token_scores, (n_test, k, T)), by one extra gradient pass over only those rows; "
         "the report shades each token by its score.",
     )
+    rerank: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", title="Re-ranked candidates",
+        description="With a compressed training index: each query's this many most helpful and most harmful candidates by the "
+        "index's scores are scored again exactly (one gradient pass over their union), so the top-k carry exact scores. "
+        f"auto: {RERANK_PER_TOP_K} × top_k; 0: off (the top-k are the compressed scores').",
+    )
+
+    @field_validator("rerank", mode="before")
+    @classmethod
+    def _rerank(cls, value: Any) -> Any:
+        return auto_or_count(value, "aggregate.rerank", 0)
+
+    @model_validator(mode="after")
+    def _rerank_holds_top_k(self) -> "AggregateSpec":
+        if self.rerank != "auto" and 0 < self.rerank < self.top_k:
+            raise ConfigError("aggregate.rerank", f"rerank={self.rerank} candidates a side cannot hold top_k={self.top_k}", f"set aggregate.rerank to at least {self.top_k}, to auto, or to 0 (off)")
+        return self
+
+    @property
+    def rerank_per_side(self) -> int:
+        """Candidates a side that re-ranking scores exactly (0: none)."""
+        return RERANK_PER_TOP_K * self.top_k if self.rerank == "auto" else self.rerank
 
 
 class ValidationSpec(Spec):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from flows.influence_run import influence_run
 from flows.parameters import RunParameters

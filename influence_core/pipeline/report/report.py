@@ -275,12 +275,36 @@ def table_records(rows: list[QueryRow]) -> list[dict[str, Any]]:
 
 
 def stage_note(stage: dict[str, Any]) -> str:
-    """What a stage's outcome says beyond its time: the model's losses and accuracies (fit_model), and for a stage
-    not computed by this run, what computing it cost when it was."""
+    """What a stage's outcome says beyond its time: the model's losses and accuracies (fit_model), a compressed
+    index's side and probe check, what re-ranking scored, and for a stage not computed by this run, what computing
+    it cost when it was."""
     metrics = stage.get("metrics", {})
     shown = [f"{name.replace('_', ' ')} {value:.1%}" if name.endswith("accuracy") else f"{name.replace('_', ' ')} {value:.4g}" for name, value in metrics.items()]
     earlier = [] if stage["outcome"] == "computed" else [f"computed earlier in {stage['seconds']:.2f} s"]
-    return ", ".join(shown + earlier)
+    return ", ".join(shown + _index_notes(stage) + _rerank_notes(stage) + earlier)
+
+
+def _index_notes(stage: dict[str, Any]) -> list[str]:
+    """A compressed index's side and share of the exact dimensions, and its probe check (recall@10, Pearson, cost)."""
+    if stage.get("compression") != "logra":
+        return []
+    kept = stage["dim"] / stage["exact_dim"] if stage.get("exact_dim") else None
+    notes = [f"compressed at side {stage['side']}" + (f" ({kept:.1%} of the exact dimensions, {stage['total_bytes'] / 1e6:,.0f} MB)" if kept else "")]
+    probe = stage.get("probe") or {}
+    if probe:
+        recall = probe["recall_at_10"]
+        share = f", {probe['share']:.0%} of the pass" if probe.get("share") is not None else ""
+        below = f" BELOW {probe['floor']}: see the warning" if "warning" in probe else ""
+        notes.append(f"probe of {probe['rows']} rows: recall@10 {recall['helpful']:.2f} helpful / {recall['harmful']:.2f} harmful, Pearson {probe['pearson']:.3f}{below} ({probe['seconds']:.2f} s{share})")
+    return notes
+
+
+def _rerank_notes(stage: dict[str, Any]) -> list[str]:
+    """What re-ranking scored exactly: candidates a side, their rows' gradients."""
+    candidates = stage.get("candidates") or {}
+    if "per_side" not in candidates:
+        return []
+    return [f"{candidates['per_side']} candidates a side re-scored exactly: {candidates['rows']:,} training rows' gradients, {candidates['entries']:,} scores"]
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
@@ -295,6 +319,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         f"- task: {summary['task']}",
         *[f"- parameters {kind}: {group['tensors']} tensors, {group['elements']:,} elements" for kind, group in summary.get("parameters", {}).items()],
         *([f"- {lds_line(summary['validation'])}"] if "validation" in summary else []),
+        *([f"- from the compressed training index: {', '.join(summary['exactness']['from_compressed_index'])}; exact: {', '.join(summary['exactness']['exact'])}"] if summary.get("exactness", {}).get("from_compressed_index") else []),
         "",
         "| stage | outcome | seconds this run | notes |",
         "|---|---|---|---|",

@@ -29,12 +29,15 @@ class Check:
     detail: str
 
 
-def expected_arrays(n_test: int, n_train: int, k: int, knn_k: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+def expected_arrays(n_test: int, n_train: int, k: int, knn_k: int | None = None, reranked: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
     """The output layout of DESIGN.md: name -> (shape, dtype); self_influence is optional. With FastIF's candidates
-    (knn_k), candidate_indices and candidate_scores replace scores, and there is no self_influence."""
+    (knn_k), candidate_indices and candidate_scores replace scores, and there is no self_influence. Re-ranked over a
+    compressed index, reranked_indices and reranked_scores (`reranked` a query) sit beside the scores."""
     scores: dict[str, tuple[tuple[int, ...], str]] = (
         {"scores": ((n_test, n_train), "float32")} if knn_k is None else {"candidate_indices": ((n_test, knn_k), "int64"), "candidate_scores": ((n_test, knn_k), "float32")}
     )
+    if reranked is not None:
+        scores |= {"reranked_indices": ((n_test, reranked), "int64"), "reranked_scores": ((n_test, reranked), "float32")}
     return {
         **scores,
         "topk_helpful_indices": ((n_test, k), "int64"),
@@ -69,10 +72,11 @@ def verify_run(store: RunStore) -> list[Check]:
         switched_off = config["aggregate"].get("self_influence") == "off" or config.get("method", {}).get("name") == "magic"  # magic computes none
         optional = {"self_influence"} if switched_off else set()
         knn_k = (config.get("candidates") or {}).get("knn_k")
+        reranked = attrs["refs"]["rerank"]["shape"][1] if "rerank" in attrs["refs"] else None
     except (KeyError, TypeError, IndexError):
         return [*checks, Check("layout", False, "the attributes do not say n_test, n_train and top_k: cannot check shapes")]
     arrays: dict[str, zarr.Array] = {}
-    for name, (shape, dtype) in expected_arrays(n_test, n_train, k, knn_k).items():
+    for name, (shape, dtype) in expected_arrays(n_test, n_train, k, knn_k, reranked).items():
         node = group.get(name)
         if node is None:
             checks.append(Check(name, name in optional, "absent (switched off)" if name in optional else "missing"))
@@ -89,9 +93,9 @@ def verify_run(store: RunStore) -> list[Check]:
         if not {"candidate_indices", "candidate_scores"} <= set(arrays):
             return [*checks, Check("aggregates", False, "no valid candidate arrays to check them against")]
         return [*checks, *_against_candidates(arrays, k, n_train)]
-    if "scores" not in arrays:
-        return [*checks, Check("aggregates", False, "no valid scores array to check them against")]
-    return [*checks, *_against_scores(arrays, k)]
+    if "scores" not in arrays or (reranked is not None and not {"reranked_indices", "reranked_scores"} <= set(arrays)):
+        return [*checks, Check("aggregates", False, "no valid scores (or re-ranked candidates) to check them against")]
+    return [*checks, *_against_scores(arrays, k, reranked is not None)]
 
 
 def _stages(store: RunStore, attrs: dict[str, Any]) -> list[Check]:
@@ -189,14 +193,15 @@ def _fingerprints(attrs: dict[str, Any], arrays: dict[str, zarr.Array]) -> Check
     """Scores and aggregates carry the fingerprints of the stage runs the attributes name (not a stale run's)."""
     refs = attrs.get("refs", {})
     stale = []
-    for stage, names in (("compute_influences", ("scores", "candidate_scores", "candidate_indices")), ("aggregate", ("train_totals", "argmax", "topk_helpful_indices", "topk_harmful_indices"))):
+    for stage, names in (("compute_influences", ("scores", "candidate_scores", "candidate_indices")), ("rerank", ("reranked_scores", "reranked_indices")), ("aggregate", ("train_totals", "argmax", "topk_helpful_indices", "topk_harmful_indices"))):
         wanted = refs.get(stage, {}).get("fingerprint")
         stale += [name for name in names if name in arrays and arrays[name].attrs.get("fingerprint") != wanted]
     return Check("fingerprints", not stale, f"do not match the recorded stages: {stale}" if stale else "match the recorded stages")
 
 
-def _against_scores(arrays: dict[str, zarr.Array], k: int) -> list[Check]:
-    """Recompute, in one streamed pass, what the aggregates summarise, and compare."""
+def _against_scores(arrays: dict[str, zarr.Array], k: int, reranked: bool = False) -> list[Check]:
+    """Recompute, in one streamed pass, what the aggregates summarise, and compare; `reranked`: the top-k and argmax
+    against the re-ranked candidates' exact scores, the totals against the scores."""
     scores = arrays["scores"]
     columns = (scores.shards or scores.chunks)[1]
     s = da.from_zarr(scores, chunks=(scores.shape[0], columns))
@@ -208,6 +213,9 @@ def _against_scores(arrays: dict[str, zarr.Array], k: int) -> list[Check]:
     if nonfinite:
         return [*checks, Check("aggregates", False, "not checked: the scores are incomplete")]
     at = lambda rows, cols: np.asarray(scores.vindex[rows, cols])  # noqa: E731
+    if reranked:
+        checks.append(_candidate_form(np.asarray(arrays["reranked_indices"][...]), np.asarray(arrays["reranked_scores"][...]), scores.shape[1], "re-ranked"))
+        at, top, bottom = _candidate_reference(np.asarray(arrays["reranked_indices"][...]), np.asarray(arrays["reranked_scores"][...]), scores.shape[1], k)
     checks += _aggregate_checks(arrays, at, scores.shape[1], top, bottom, totals, magnitudes, "scores.sum(axis=0)")
     if "self_influence" in arrays:
         values = np.asarray(arrays["self_influence"][...])
@@ -219,17 +227,30 @@ def _against_scores(arrays: dict[str, zarr.Array], k: int) -> list[Check]:
 def _against_candidates(arrays: dict[str, zarr.Array], k: int, n_train: int) -> list[Check]:
     """The same checks on FastIF's layout: the aggregates against each query's candidates (in memory: (n_test, k))."""
     indices, scores = np.asarray(arrays["candidate_indices"][...]), np.asarray(arrays["candidate_scores"][...])
-    n_test = len(indices)
-    repeated = [q for q, row in enumerate(indices) if len(np.unique(row)) != len(row)]
-    valid = indices.size == 0 or (indices.min() >= 0 and indices.max() < n_train)
-    detail = f"indices outside [0, {n_train})" if not valid else f"query {repeated[0]} lists a training example twice" if repeated else f"{indices.shape[1]} distinct per query, in range"
-    checks = [Check("candidate indices", valid and not repeated, detail)]
+    checks = [_candidate_form(indices, scores, n_train, "candidate")]
     nonfinite = int((~np.isfinite(scores)).sum())
     checks.append(Check("scores complete", nonfinite == 0, f"{nonfinite} NaN or inf of {scores.size} candidate scores"))
     if nonfinite or not checks[0].ok:
         return [*checks, Check("aggregates", False, "not checked: the candidates are invalid or incomplete")]
+    at, top, bottom = _candidate_reference(indices, scores, n_train, k)
+    totals = np.bincount(indices.ravel(), weights=scores.ravel().astype(np.float64), minlength=n_train)
+    magnitudes = np.bincount(indices.ravel(), weights=np.abs(scores.ravel().astype(np.float64)), minlength=n_train)
+    return [*checks, *_aggregate_checks(arrays, at, n_train, top, bottom, totals, magnitudes, "the sum over its candidate entries")]
+
+
+def _candidate_form(indices: np.ndarray, scores: np.ndarray, n_train: int, kind: str) -> Check:
+    """Each query's candidates are distinct training rows, with finite scores."""
+    repeated = [q for q, row in enumerate(indices) if len(np.unique(row)) != len(row)]
+    valid = indices.size == 0 or (indices.min() >= 0 and indices.max() < n_train)
+    detail = f"indices outside [0, {n_train})" if not valid else f"query {repeated[0]} lists a training example twice" if repeated else f"{indices.shape[1]} distinct per query, in range"
+    return Check(f"{kind} indices", valid and not repeated, detail)
+
+
+def _candidate_reference(indices: np.ndarray, scores: np.ndarray, n_train: int, k: int) -> tuple[Callable[[np.ndarray, np.ndarray], np.ndarray], np.ndarray, np.ndarray]:
+    """What the top-k of each query's candidates must be: a reader of the candidates' scores (NaN off them), and
+    each row's k largest and k smallest."""
     order = np.argsort(indices, axis=1)
-    keys = (np.arange(n_test)[:, None] * n_train + np.take_along_axis(indices, order, 1)).ravel()  # sorted: one lookup for all
+    keys = (np.arange(len(indices))[:, None] * n_train + np.take_along_axis(indices, order, 1)).ravel()  # sorted: one lookup for all
     values = np.take_along_axis(scores, order, 1).ravel()
 
     def at(rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -237,11 +258,7 @@ def _against_candidates(arrays: dict[str, zarr.Array], k: int, n_train: int) -> 
         position = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
         return np.where(keys[position] == wanted, values[position], np.nan)
 
-    top = -np.sort(-scores, axis=1)[:, :k]
-    bottom = np.sort(scores, axis=1)[:, :k]
-    totals = np.bincount(indices.ravel(), weights=scores.ravel().astype(np.float64), minlength=n_train)
-    magnitudes = np.bincount(indices.ravel(), weights=np.abs(scores.ravel().astype(np.float64)), minlength=n_train)
-    return [*checks, *_aggregate_checks(arrays, at, n_train, top, bottom, totals, magnitudes, "the sum over its candidate entries")]
+    return at, -np.sort(-scores, axis=1)[:, :k], np.sort(scores, axis=1)[:, :k]
 
 
 def _aggregate_checks(

@@ -23,7 +23,7 @@ from distributed import Client
 from ..store import integrity, storage
 from .chunks import ChunkJob, ChunkWorker, Progress, execute
 from .finite import stored_scores
-from .knn_prefilter import build_index, candidate_entries, index_kind, module_features, nearest
+from .knn_prefilter import build_index, index_kind, module_features, nearest
 from ... import examples
 from ...errors import ConfigError, NumericalError
 from .layout import DIMENSIONS
@@ -47,21 +47,20 @@ class CandidateJob(ChunkJob):
 
     def hold(self, plan: SelfInfluencePlan | None) -> np.ndarray:
         """Each query's candidates."""
-        return _load_npy(self.path("candidates.npy"), self.options)
+        return load_npy(self.path("candidates.npy"), self.options)
 
     def score(self, worker: ChunkWorker, index: int) -> None:
-        """Scores of the candidates among training chunk `index`, saved as its part (entries and values)."""
+        """Scores of the candidates among training chunk `index`, each query's own only (`Scorer.entries`: one
+        capture of each such row), saved as its part (entries and values)."""
         lo, hi = self.stage.layout.bounds(index)
         candidates = worker.held
-        rows = np.unique(candidates[(candidates >= lo) & (candidates < hi)])
-        x, y = examples.read(worker.x, slice(lo, hi)), examples.read(worker.y, slice(lo, hi))
+        q, j = np.nonzero((candidates >= lo) & (candidates < hi))
+        rows, position = np.unique(candidates[q, j], return_inverse=True)
         picked = torch.from_numpy(rows - lo)
-        scores, _ = worker(examples.take(x, picked), y[picked])
-        assert scores is not None
-        q, j, c = candidate_entries(rows, candidates)
+        x, y = examples.take(examples.read(worker.x, slice(lo, hi)), picked), examples.read(worker.y, slice(lo, hi))[picked]
+        values = stored_scores(worker.entries(x, y, torch.from_numpy(q), torch.from_numpy(position)).detach().cpu().numpy().astype(np.float32), f"candidate scores of train chunk {index}")
         entries = q * candidates.shape[1] + j
-        values = stored_scores(scores.detach().cpu()[torch.from_numpy(q), torch.from_numpy(c)].numpy(), f"candidate scores of train chunk {index}")
-        _save_npy(self.path("parts", f"{index}.npy"), np.stack([entries.astype(np.float64), values.astype(np.float64)]), self.options)
+        save_npy(self.path("parts", f"{index}.npy"), np.stack([entries.astype(np.float64), values.astype(np.float64)]), self.options)
 
     @property
     def base_url(self) -> str:
@@ -73,16 +72,26 @@ class CandidateJob(ChunkJob):
         return integrity.file_keys(f"parts/{index}.npy")
 
 
-def _save_npy(url: str, array: np.ndarray, options: dict[str, Any]) -> None:
+def save_npy(url: str, array: np.ndarray, options: dict[str, Any]) -> None:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     integrity.write_checked(url, buffer.getvalue(), options)
 
 
-def _load_npy(url: str, options: dict[str, Any]) -> np.ndarray:
+def load_npy(url: str, options: dict[str, Any]) -> np.ndarray:
     """A saved array, its bytes checked (`integrity.read_checked`)."""
     raw = integrity.read_checked(url, options, "compute_influences", "run again: the candidates are computed again")
     return np.load(io.BytesIO(raw), allow_pickle=False)
+
+
+def write_candidates(group: Any, prefix: str, candidates: np.ndarray, scores: np.ndarray, job: ChunkJob) -> None:
+    """{prefix}_indices and {prefix}_scores (n_test, k) into the output group, the scores' fingerprint last: the
+    output counts as complete from there."""
+    for name, values in ((f"{prefix}_indices", candidates), (f"{prefix}_scores", scores)):
+        array = storage.create_array(group, name, shape=values.shape, chunks=(min(values.shape[0], 1024), values.shape[1]), dtype=values.dtype, overwrite=True, attributes={"job": job.key, "n_train": job.stage.data.n_train}, dimension_names=DIMENSIONS[name])
+        array[...] = values
+    group[f"{prefix}_indices"].attrs["fingerprint"] = job.key
+    group[f"{prefix}_scores"].attrs["fingerprint"] = job.key
 
 
 def feature_rows(job: CandidateJob, split: str, lo: int, hi: int) -> np.ndarray:
@@ -110,7 +119,7 @@ def _candidates(job: CandidateJob, client: Client | None) -> tuple[np.ndarray, d
     n_train = job.stage.data.n_train
     info: dict[str, Any] = {"knn_k": job.spec.knn_k, "index": index_kind(n_train, job.spec.index), "module": job.spec.module or "penultimate"}
     try:
-        return _load_npy(url, job.options), info
+        return load_npy(url, job.options), info
     except (FileNotFoundError, integrity.DamagedError):  # not stored yet, or damaged: found again
         pass
     started = time.perf_counter()
@@ -118,16 +127,16 @@ def _candidates(job: CandidateJob, client: Client | None) -> tuple[np.ndarray, d
     built = time.perf_counter()
     assert job.spec.knn_k is not None
     candidates = nearest(build_index(train, job.spec.index, job.stage.compute.torch_threads), test, job.spec.knn_k)
-    _save_npy(url, candidates, job.options)
+    save_npy(url, candidates, job.options)
     info.update(feature_dim=int(train.shape[1]), feature_seconds=round(built - started, 3), index_seconds=round(time.perf_counter() - built, 3))
     return candidates, info
 
 
-def _assemble(job: CandidateJob, candidates: np.ndarray, needed: list[int]) -> np.ndarray:
+def assemble(job: CandidateJob, candidates: np.ndarray, needed: list[int]) -> np.ndarray:
     """candidate_scores (n_test, k) float32 from the parts; every entry must have been scored."""
     flat = np.full(candidates.size, np.nan, dtype=np.float32)
     for index in needed:
-        entries, values = _load_npy(job.path("parts", f"{index}.npy"), job.options)
+        entries, values = load_npy(job.path("parts", f"{index}.npy"), job.options)
         flat[entries.astype(np.int64)] = values.astype(np.float32)
     missing = int(np.isnan(flat).sum())
     if missing:
@@ -146,12 +155,8 @@ def _compute(job: CandidateJob, client_factory: Callable[[], Any], on_progress: 
         needed = sorted(set((candidates // job.stage.layout.train_rows).ravel().tolist()))
         chunks = job.pending(needed)
         work = execute(job, chunks, len(needed), client, on_progress)
-    scores = _assemble(job, candidates, needed)
+    write_candidates(group, "candidate", candidates, assemble(job, candidates, needed), job)
     shape = candidates.shape
-    for name, values in (("candidate_indices", candidates), ("candidate_scores", scores)):
-        storage.create_array(group, name, shape=shape, chunks=(min(shape[0], 1024), shape[1]), dtype=values.dtype, overwrite=True, attributes={"job": job.key, "n_train": job.stage.data.n_train}, dimension_names=DIMENSIONS[name])[...] = values
-    group["candidate_indices"].attrs["fingerprint"] = job.key
-    group["candidate_scores"].attrs["fingerprint"] = job.key  # last: the output counts as complete from here
     return {
         "url": storage.join(job.influence_url, "candidate_scores"),
         "fingerprint": job.key,

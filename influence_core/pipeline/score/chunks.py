@@ -67,6 +67,13 @@ class ChunkWorker:
         n = len(self.scorers)
         return _divided(scores, n), _divided(values, n)
 
+    def entries(self, x: Inputs, y: torch.Tensor, queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Scores of chosen (query, row) entries of the rows (x, y) only (`Scorer.entries`): the members' mean."""
+        total = self.scorers[0].entries(x, y, queries, rows)
+        for scorer in self.scorers[1:]:
+            total = total + scorer.entries(x, y, queries, rows)
+        return _divided(total, len(self.scorers))  # type: ignore[return-value]
+
     def work(self) -> Work:
         """The work every member's influence model has counted so far."""
         total = Work()

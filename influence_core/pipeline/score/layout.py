@@ -14,6 +14,8 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "scores": ("query", "train"),
     "candidate_indices": ("query", "k"),
     "candidate_scores": ("query", "k"),
+    "reranked_indices": ("query", "k"),
+    "reranked_scores": ("query", "k"),
     "topk_helpful_indices": ("query", "k"),
     "topk_helpful_scores": ("query", "k"),
     "topk_harmful_indices": ("query", "k"),

@@ -21,10 +21,12 @@ from ..store import integrity, storage
 from ... import examples
 from ...errors import ConfigError
 from ...work import Work
+from ...methods import InfluenceFunctionModel
+from ...methods.scorer import Scorer
 from ...objective import Objective
 from ..sources.data import check_block
 from . import faiss_search
-from .score_reductions import TIE_MARGIN, RunningTopK, read_ahead
+from .score_reductions import TIE_MARGIN, RunningTopK, candidate_top_k, read_ahead, rerank_candidates
 from .layout import ANSWER_KIND, ANSWER_SCHEMA_VERSION, DIMENSIONS
 from ..model.models import check_queries, probe_forward
 from ..store.loading import index_projection, load_influence_model, open_data
@@ -33,7 +35,7 @@ from ..store.refs import DataRef, IndexRef, ModelRef
 from ..report.report import QueryRow, topk_rows
 from ..store.binding import require_stages
 from ..store.run_store import RunStore
-from ..specs import MethodSpec, ModelSpec, SearchSpec
+from ..specs import RERANK_PER_TOP_K, MethodSpec, ModelSpec, SearchSpec
 
 ANSWERING = ("prepare_data", "fit_model", "fit_preconditioner", "index_training")  # the stages a question reads
 TOPK = ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores")
@@ -71,27 +73,38 @@ def run_index(store: RunStore) -> tuple[dict[str, Any], ModelRef, Any, IndexRef,
     return attrs["config"], model, refs["fit_preconditioner"], index, data
 
 
-def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu", search: SearchSpec | None = None) -> Answer:
+def answer(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu", search: SearchSpec | None = None, rerank: int | None = None) -> Answer:
     """The top-k of queries (x, y) against the run at `store`: factors solved from its curvature, scores streamed over
-    its training index (or its FAISS index's candidates scored, with `search.kind: faiss`)."""
+    its training index (or its FAISS index's candidates scored, with `search.kind: faiss`); over a compressed index,
+    each query's `rerank` most helpful and most harmful candidates (None: RERANK_PER_TOP_K × top_k; 0: none)
+    scored again exactly, as the run's rerank stage scores them, and the top-k taken from those."""
     search = search or SearchSpec()
+    if rerank is not None and 0 < rerank < top_k:
+        raise ConfigError("--rerank", f"{rerank} candidates a side cannot hold --top {top_k}", f"give --rerank {top_k} or more, or 0 to take the top-k from the compressed scores")
     asked = solve(store, x, y, top_k, device)
+    per_side = (RERANK_PER_TOP_K * top_k if rerank is None else rerank) if asked.index.compression == "logra" else 0
+    wide = max(top_k, min(2 * per_side, asked.data.n_train))
     if search.kind == "faiss":
-        arrays, described = faiss_top_k(asked.index, asked.factors, top_k, search, store.options, asked.work)
-        return Answer(arrays, asked.work, asked.config, asked.data, described)
-    return Answer(scan_top_k(asked.index, asked.factors, top_k, store.options, asked.work), asked.work, asked.config, asked.data)
+        arrays, described = faiss_top_k(asked.index, asked.factors, wide, search, store.options, asked.work)
+    else:
+        arrays, described = scan_top_k(asked.index, asked.factors, wide, store.options, asked.work), {"kind": "scan"}
+    if per_side:
+        arrays, described["rerank"] = rerank_top_k(asked, arrays, per_side, top_k, store.options)
+    return Answer(arrays, asked.work, asked.config, asked.data, described)
 
 
 @dataclass
 class Question:
-    """Queries solved against a run: their factors in its index's coordinates, the run's config, index and data, and
-    the work so far."""
+    """Queries solved against a run: their factors in its index's coordinates, the run's config, index and data, the
+    work so far, and the run's fitted influence model with the queries as it takes them (for exact re-scoring)."""
 
     factors: torch.Tensor
     config: dict[str, Any]
     index: IndexRef
     data: DataRef
     work: Work
+    im: InfluenceFunctionModel
+    queries: tuple[Any, torch.Tensor]
 
 
 def solve(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu") -> Question:
@@ -108,7 +121,24 @@ def solve(store: RunStore, x: Any, y: np.ndarray, top_k: int, device: str = "cpu
         factors = index_projection(im, data, store.options, index.side or 0, index.whitening_url).queries(im, xq, yq)
     else:
         factors = im.influence_factors(xq, yq)
-    return Question(factors, config, index, data, im.work.copy())
+    return Question(factors, config, index, data, im.work.copy(), im, (xq, yq))
+
+
+def rerank_top_k(asked: Question, found: dict[str, np.ndarray], per_side: int, top_k: int, options: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The top-k of each query's candidates (its `per_side` first of `found`'s helpful and harmful lists, by the
+    compressed scores) scored exactly: the queries' factors in the method's coordinates against the candidate rows'
+    captured gradients, the rows' union captured once (`Scorer.entries`). The top-k arrays and what was done."""
+    candidates = rerank_candidates(found["topk_helpful_indices"], found["topk_harmful_indices"], per_side, asked.data.n_train)
+    rows, where = np.unique(candidates, return_inverse=True)
+    arrays = open_data(asked.data, options)
+    before = asked.im.work.copy()
+    exact = asked.im.influence_factors(*asked.queries)
+    queries = torch.arange(len(candidates)).repeat_interleave(candidates.shape[1])
+    scores = Scorer(asked.im, exact, None).entries(examples.read(arrays["x_train"], rows), torch.as_tensor(examples.read(arrays["y_train"], rows)), queries, torch.from_numpy(where.reshape(-1)))
+    asked.work += asked.im.work - before
+    top = candidate_top_k(candidates, scores.reshape(candidates.shape).float().cpu().numpy(), top_k)
+    arrays_out = {"topk_helpful_indices": top.helpful_indices, "topk_helpful_scores": top.helpful_scores, "topk_harmful_indices": top.harmful_indices, "topk_harmful_scores": top.harmful_scores}
+    return arrays_out, {"per_side": per_side, "per_query": candidates.shape[1], "rows": len(rows), "entries": candidates.size}
 
 
 def scan_top_k(index: IndexRef, factors: torch.Tensor, top_k: int, options: dict[str, Any], work: Work) -> dict[str, np.ndarray]:
@@ -180,15 +210,15 @@ def write_answer(output: RunStore, answer: Answer, labels: np.ndarray, asked: di
     group.attrs["status"] = "complete"
 
 
-def ask(store: RunStore, queries: str, top_k: int, output: RunStore | None = None, search: SearchSpec | None = None, endpoint_field: str = "--endpoint-url") -> tuple[Answer, list[QueryRow], str]:
-    """The whole question: the queries of the .npz file `queries` answered from the run at `store` (by `search`),
-    written under `output` when given. Every location is checked first, in seconds (`endpoint_field` names where the
+def ask(store: RunStore, queries: str, top_k: int, output: RunStore | None = None, search: SearchSpec | None = None, endpoint_field: str = "--endpoint-url", rerank: int | None = None) -> tuple[Answer, list[QueryRow], str]:
+    """The whole question: the queries of the .npz file `queries` answered from the run at `store` (by `search`, and
+    over a compressed index re-ranked with `rerank` candidates a side, `answer`), written under `output` when given. Every location is checked first, in seconds (`endpoint_field` names where the
     S3 endpoint was given). Returns the answer, its top-k rows (labels read as the run's task reads them) and the
     method."""
     check_locations(store, queries, output, endpoint_field)
     fingerprint = read_attrs(store, "run").get("run_fingerprint")
     x, y = query_arrays(queries, store.options)
-    found = answer(store, x, y, top_k, search=search)
+    found = answer(store, x, y, top_k, search=search, rerank=rerank)
     config, data = found.config, found.data
     assert data is not None
     if output is not None:

@@ -109,20 +109,38 @@ def aggregate_scores(scores: Any, k: int, totals_out: Any) -> Aggregates:
     return Aggregates(top["topk_helpful_indices"], top["topk_helpful_scores"], top["topk_harmful_indices"], top["topk_harmful_scores"], missing)
 
 
-def aggregate_candidates(indices: np.ndarray, scores: np.ndarray, k: int, n_train: int) -> tuple[Aggregates, np.ndarray]:
-    """The same reductions over candidate scores (n_test, k_candidates) at training indices `indices`: top-k of each
-    query's candidates (ties to the lower index, as for full scores), and train totals summed over the candidate
-    entries only (0 where no query has the example)."""
+def candidate_top_k(indices: np.ndarray, scores: np.ndarray, k: int) -> Aggregates:
+    """Top-k both ways of each query's candidate scores (n_test, m) at training indices `indices`, ties to the lower
+    index, as for full scores."""
     by_index = np.argsort(indices, axis=1, kind="stable")
     indices, scores = np.take_along_axis(indices, by_index, 1), np.take_along_axis(scores, by_index, 1)
     helpful = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     harmful = np.argsort(scores, axis=1, kind="stable")[:, :k]
-    totals = np.zeros(n_train, dtype=np.float64)
-    np.add.at(totals, indices.ravel(), scores.ravel().astype(np.float64))
     pick = np.take_along_axis
-    result = Aggregates(
+    return Aggregates(
         pick(indices, helpful, 1).astype(np.int64), pick(scores, helpful, 1).astype(np.float32),
         pick(indices, harmful, 1).astype(np.int64), pick(scores, harmful, 1).astype(np.float32),
         int(np.isnan(scores).sum()),
     )
-    return result, totals.astype(np.float32)
+
+
+def aggregate_candidates(indices: np.ndarray, scores: np.ndarray, k: int, n_train: int) -> tuple[Aggregates, np.ndarray]:
+    """The same reductions over candidate scores (n_test, k_candidates) at training indices `indices`: top-k of each
+    query's candidates (`candidate_top_k`), and train totals summed over the candidate entries only (0 where no
+    query has the example)."""
+    totals = np.zeros(n_train, dtype=np.float64)
+    np.add.at(totals, indices.ravel(), scores.ravel().astype(np.float64))
+    return candidate_top_k(indices, scores, k), totals.astype(np.float32)
+
+
+def rerank_candidates(helpful: np.ndarray, harmful: np.ndarray, per_side: int, n_train: int) -> np.ndarray:
+    """Each query's re-ranking candidates (n_test, min(2 per_side, n_train)), distinct, in index order: its first
+    `per_side` of `helpful` (indices by descending score), then as many of `harmful` (by ascending score, at least
+    2 per_side of them) as are not among those (ties can put a row on both sides)."""
+    width = min(2 * per_side, n_train)
+    out = np.empty((len(helpful), width), dtype=np.int64)
+    for q, (top, bottom) in enumerate(zip(helpful, harmful)):
+        first = top[:per_side]
+        rest = bottom[~np.isin(bottom, first)][: width - len(first)]
+        out[q] = np.sort(np.concatenate([first, rest]))
+    return out

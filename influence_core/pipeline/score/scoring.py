@@ -234,11 +234,12 @@ IN_PROCESS_FACTOR_BYTES = 2 * 2**30  # and scoring without an index, when the qu
 GRADIENT_FORWARDS = 3  # a training row's gradient costs about 3 forward passes (forward and backward)
 
 
-def placement(job: ScoreJob) -> Placement:
+def placement(job: ChunkJob, rows: int | None = None, pairs: int | None = None) -> Placement:
     """Where the chunks run: in this process, as the chunk tasks' arithmetic on `in_process_threads` (the same bits),
     when the work is small and may run on this machine (the cluster's own, so not an `address` cluster's): a small
-    index's products, or, with a local cluster, the training gradients and their products when the query factors
-    (the threads read one copy) fit IN_PROCESS_FACTOR_BYTES and no method solves on the data. Else on the cluster."""
+    index's products, or, with a local cluster, the training gradients of `rows` (all of them by default) and their
+    `pairs` products with the query factors (every query's with every row's by default) when the factors (the
+    threads read one copy) fit IN_PROCESS_FACTOR_BYTES and no method solves on the data. Else on the cluster."""
     compute = job.stage.compute
     n_test, n_train = job.stage.layout.n_test, job.stage.data.n_train
     if compute.cluster == ClusterKind.address:
@@ -251,16 +252,17 @@ def placement(job: ScoreJob) -> Placement:
     held = sum(math.prod(member.factors.shape) * np.dtype(member.factors.dtype).itemsize for member in members)
     if compute.cluster != ClusterKind.local or METHOD_CLASSES[job.stage.method.name].solves_on_data or held >= IN_PROCESS_FACTOR_BYTES:
         return place(compute, 0.0, eligible=False)
-    return place(compute, _training_side_flops(job) + sum(2.0 * n_test * n_train * member.factors.shape[-1] for member in members))
+    rows, pairs = n_train if rows is None else rows, n_test * n_train if pairs is None else pairs
+    return place(compute, _training_side_flops(job, rows) + sum(2.0 * pairs * member.factors.shape[-1] for member in members))
 
 
-def _training_side_flops(job: ScoreJob) -> float:
-    """Every member's training gradients, estimated from one forward over the first training row (the module as
-    built: FLOPs do not depend on its weights, so its checkpoint is not read)."""
+def _training_side_flops(job: ChunkJob, rows: int) -> float:
+    """Every member's training gradients of `rows` rows, estimated from one forward over the first training row
+    (the module as built: FLOPs do not depend on its weights, so its checkpoint is not read)."""
     stage = job.stage
     device = stage.compute.torch_device
     row = forward_flops(build_module(stage.members[0].model, device), first_training_row(stage.data, job.options, device))
-    return len(stage.members) * GRADIENT_FORWARDS * row * stage.data.n_train
+    return len(stage.members) * GRADIENT_FORWARDS * row * rows
 
 
 def _compute(job: ScoreJob, client_factory: Callable[[], Any], on_progress: Progress | None, loc: StageLocation) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Per-token scores of each query's top-k helpful and harmful training rows, (n_test, k, T) each: one extra gradient
-pass over only those 2k rows per query (never the whole training set), contracted before the sum over positions
-with that query's factor alone, so no row meets a query it is not shown for (an ensemble: the members' mean)."""
+pass over only the union of those rows (never the whole training set), each contracted before the sum over positions
+with the factors of the queries it is shown for alone (`Scorer.entries`; an ensemble: the members' mean)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from ... import examples
-from ...contraction import LayerRows, Rows
 from ...errors import ConfigError
 from ...methods.scorer import Scorer
 from ..model.models import build_model
@@ -50,31 +49,24 @@ def check_token_scores(method: MethodSpec, model: ModelSpec, data: DataRef, arra
         raise ConfigError("method.modules", f"per-token scores split each layer's gradient over the T={positions} token positions, but layers {fewer} run at other numbers of positions (pooled, or applied once)", fix)
 
 
-def query_rows(factors: torch.Tensor | Rows, queries: slice) -> torch.Tensor | Rows:
-    """The factors of some queries: flat rows, or per-layer rows."""
-    if isinstance(factors, torch.Tensor):
-        return factors[queries]
-    layers = {name: LayerRows(**{k: getattr(rows, k)[queries] for k in ("dense", "left", "right") if getattr(rows, k) is not None}) for name, rows in factors.layers.items()}
-    return Rows(layers, None if factors.rest is None else factors.rest[queries], len(range(*queries.indices(factors.count))))
-
-
 def topk_token_scores(stage: ScoringInput, helpful: np.ndarray, harmful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-token scores (n_test, k, T) float32 of the rows `helpful` and `harmful` (n_test, k) name, for their own
-    query; each row sums over T to that query's score."""
+    query; each row sums over T to that query's score. The rows' union is captured once (`Scorer.entries`)."""
     options = stage.store.options
     arrays = open_data(stage.data, options)
     positions = token_positions(arrays)
     n_test, k = helpful.shape
-    out = np.zeros((2, n_test, k, positions), dtype=np.float32)
+    union, where = np.unique(np.concatenate([helpful, harmful], axis=1), return_inverse=True)
+    x, y = examples.read(arrays["x_train"], union), examples.read(arrays["y_train"], union)
+    queries = torch.arange(n_test).repeat_interleave(2 * k)
+    total = None
     with torch_threads(TASK_THREADS):  # as the chunk tasks scored them
         train = train_batches(stage.data, options, stage.method.batch_size)
-        members = []
         for member in stage.members:
             im = load_influence_model(stage.method, member.model, stage.data, member.preconditioner, options, stage.compute.torch_device, train)
-            members.append((im, read_factors(im, member.factors.url, options, arrays["x_train"], arrays["y_train"])))
-        for q in range(n_test):
-            rows = np.concatenate([helpful[q], harmful[q]])
-            x, y = examples.read(arrays["x_train"], rows), examples.read(arrays["y_train"], rows)
-            total = sum(Scorer(im, query_rows(factors, slice(q, q + 1)), None, per_token=True)(x, y)[0] for im, factors in members)
-            out[:, q] = (total[0] / len(members)).detach().cpu().numpy().reshape(2, k, positions)
-    return out[0], out[1]
+            factors = read_factors(im, member.factors.url, options, arrays["x_train"], arrays["y_train"])
+            scores = Scorer(im, factors, None, per_token=True).entries(x, y, queries, torch.from_numpy(where.reshape(-1)))
+            total = scores if total is None else total + scores
+    assert total is not None
+    out = (total / len(stage.members)).detach().cpu().numpy().astype(np.float32).reshape(n_test, 2, k, positions)
+    return out[:, 0], out[:, 1]

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..store import storage
-from ..score.score_reductions import Aggregates, aggregate_candidates, aggregate_scores
+from ..score.score_reductions import Aggregates, aggregate_candidates, aggregate_scores, candidate_top_k
 from ...errors import ConfigError, NumericalError
 from ..score.layout import DIMENSIONS
 from ..store.refs import StageRef
@@ -21,17 +21,21 @@ from ..score.token_scores import topk_token_scores
 
 @dataclass(frozen=True)
 class AggregationInput(StageInput[StageRef]):
-    """The aggregate spec and the scores (or candidate scores) it reduces; with `token_scores`, the scoring stage's
-    input, whose model, curvature and query factors score the top-k rows per token."""
+    """The aggregate spec and the scores (or candidate scores) it reduces, and the re-ranked candidates its top-k come
+    from when the scores are a compressed index's; with `token_scores`, the scoring stage's input, whose model,
+    curvature and query factors score the top-k rows per token."""
 
     spec: AggregateSpec
     scores: StageRef
     store: RunStore
     scoring: ScoringInput | None = None
+    reranked: StageRef | None = None  # the rerank stage's exact candidate scores: the top-k come from them
 
     def plan(self) -> StageCall[StageRef]:
         config: dict[str, Any] = {"top_k": self.spec.top_k}
         inputs: dict[str, Any] = {"scores": self.scores}
+        if self.reranked is not None:  # keys of runs without it are unchanged
+            inputs["reranked"] = self.reranked
         if self.spec.token_scores:  # keys of runs without it are unchanged
             assert self.scoring is not None, "token scores need the scoring stage's input"
             config["token_scores"] = True
@@ -55,6 +59,8 @@ def _aggregate(stage: AggregationInput, loc: StageLocation) -> dict[str, Any]:
         result, totals = _from_scores(spec, group, storage.open_array(scores_ref.url, store.options))
     if result.missing:
         raise NumericalError(f"{result.missing} scores are NaN: the scores are incomplete or the model diverged; rerun compute_influences")
+    if stage.reranked is not None:  # the top-k of each query's candidates, scored exactly; the totals stay the scores'
+        result = candidate_top_k(np.asarray(group["reranked_indices"][...]), np.asarray(group["reranked_scores"][...]), spec.top_k)
     outputs = {
         "topk_helpful_indices": result.helpful_indices,
         "topk_helpful_scores": result.helpful_scores,

@@ -71,10 +71,26 @@ def prune(store: RunStore, refs: dict[str, StageRef]) -> None:
     """Delete the arrays no stage of this run wrote (every stage marks its arrays with its fingerprint): what a
     replaced run left behind never survives into this one."""
     group = storage.open_group(store.influence_url, store.options, mode="a")
-    mine = {ref.fingerprint for ref in refs.values()}
-    stale = [name for name, array in group.arrays() if array.attrs.get("fingerprint") not in mine]
-    for name in stale:
+    for name in set(group.array_keys()) - set(run_arrays(group, refs)):
         del group[name]
+
+
+def run_arrays(group: Any, refs: dict[str, StageRef]) -> list[str]:
+    """The output's arrays a stage of this run wrote (marked with its fingerprint)."""
+    mine = {ref.fingerprint for ref in refs.values()}
+    return sorted(name for name, array in group.arrays() if array.attrs.get("fingerprint") in mine)
+
+
+COMPRESSED_TOP_K = ("topk_helpful_indices", "topk_helpful_scores", "topk_harmful_indices", "topk_harmful_scores", "argmax")
+
+
+def exactness(arrays: list[str], refs: dict[str, StageRef]) -> dict[str, list[str]]:
+    """Which of the output's arrays are exact (as the method computes them without a training index) and which come
+    from a compressed index: its scores and their totals, and its top-k unless re-ranked (self-influences are
+    always exact: the index pass takes them from the captures)."""
+    compressed = any(isinstance(ref, IndexRef) and ref.compression == "logra" for ref in refs.values())
+    approximate = ({"scores", "train_totals"} | (set() if "rerank" in refs else set(COMPRESSED_TOP_K))) if compressed else set()
+    return {"exact": [name for name in arrays if name not in approximate], "from_compressed_index": [name for name in arrays if name in approximate]}
 
 
 def query_rows(store: RunStore, arrays: dict[str, Any], decode: Decode, n_queries: int, n_show: int) -> list[QueryRow]:
@@ -116,6 +132,7 @@ def publish(
     note = None if validated is None else lds_line(validated)
     png = render_report(rows, example_view(arrays["x_test"]), example_view(arrays["x_train"]), data.image_shape, report_heading(config, n_show), note, text, decode)
     finished = datetime.now(timezone.utc)
+    written = run_arrays(storage.open_group(store.influence_url, store.options, mode="r"), refs)
     summary = {
         "status": "complete",
         "started_at": started.isoformat(),
@@ -130,6 +147,7 @@ def publish(
         "parameters": refs.get("fit_preconditioner", refs["compute_influences"]).parameters,  # which of the model's parameters the scores are over (magic: its scoring stage)
         **({} if validated is None else {"validation": validated}),
         "stages": stages,
+        "exactness": exactness(written, refs),
         "config": config,
         "code_version": CODE_VERSION,
         "commit": source_commit(),

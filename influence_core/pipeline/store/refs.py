@@ -143,6 +143,11 @@ class IndexRef(StageRef):
     compression: str
     skipped: str | None = None
     side: int | None = None  # compression "logra": the projection's side per gradient matrix (seeded by `seed`)
+    sides: dict[str, list[int]] = {}  # compression "logra": each layer's (k_out, k_in), its own size where smaller than the side
+    total_bytes: int = 0  # the stored rows: n_train × bytes_per_row
+    dim: int = 0  # numbers a stored row holds (shape[1])
+    exact_dim: int = 0  # numbers an uncompressed row would hold
+    probe: dict[str, Any] = {}  # compression "logra": the probe check (`index_probe.summarize`): recall@10, Pearson, cost, warning
     seed: int = 0
     rows_per_chunk: int | None = None
     n_chunks: int = 0
