@@ -31,7 +31,7 @@ demo-text: $(STAMP)
 # after them, alone: beside another file's runs, the UI's form once did not submit within 60 s. `make test` stays in
 # one process: its tests are CPU-bound, and two workers on 2 cores took longer than one.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not e2e and not slow" --durations=15 || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not e2e and not slow" --durations=15 || [ $$? -eq 5 ]
 
 test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "e2e or slow" --ignore=tests/e2e/test_ui.py --durations=15 || [ $$? -eq 5 ]

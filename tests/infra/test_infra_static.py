@@ -425,7 +425,7 @@ def test_terraform_parameter_schema_matches_the_flow() -> None:
     assert set(stored["properties"]) == set(RunParameters.model_fields)
     assert stored == json.loads(json.dumps(parameter_schema(influence_run).model_dump_for_openapi())), "flow_parameter_schema.json is stale: run infra/terraform/update_parameter_schema.py"
     question = json.loads((TERRAFORM / "question_parameter_schema.json").read_text())
-    assert set(question["properties"]) == {"run_url", "queries", "top_k", "output_url", "storage", "search"}
+    assert set(question["properties"]) == {"run_url", "queries", "top_k", "output_url", "storage", "search", "rerank"}
     assert question == json.loads(json.dumps(parameter_schema(influence_question).model_dump_for_openapi())), "question_parameter_schema.json is stale: run infra/terraform/update_parameter_schema.py"
 
 

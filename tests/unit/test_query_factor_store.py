@@ -30,4 +30,4 @@ def test_rows_written_chunk_by_chunk_read_back_exactly_and_every_chunk_is_stored
     for lo in range(0, 14, 6):
         write_rows(array, lo, values[lo : lo + 6])
     np.testing.assert_array_equal(array[...], values)
-    assert len(storage.file_sizes(str(tmp_path / "f.zarr" / "factors"), {})) == 5 + 1  # five chunks and zarr.json
+    assert len(storage.object_stats(str(tmp_path / "f.zarr" / "factors"), {})) == 5 + 1  # five chunks and zarr.json
