@@ -44,7 +44,7 @@ def index_training(stage: IndexInput) -> IndexRef:
     """Every training example's features and self-influence, once per training side: later runs score new queries
     against them with no training gradient (skipped, with the reason, when over compute.index_budget_gb)."""
     thread_safe = METHOD_CLASSES[stage.method.name].thread_safe
-    return index.run(stage, client_factory=lambda: dask_client(stage.compute, thread_safe), on_progress=ChunkProgress("index_training", "training rows indexed"))
+    return index.run(stage, client_factory=lambda: dask_client(stage.compute, thread_safe), on_progress=ChunkProgress("index_training", "train chunks indexed"))
 
 
 @stage_task("compute_test_factors")

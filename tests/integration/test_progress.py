@@ -31,7 +31,7 @@ def test_progress_artifact_is_throttled_and_ends_at_100(monkeypatch):
 
     @flow
     def chunks() -> None:
-        bar = progress.ChunkProgress("index_training", "training rows indexed")
+        bar = progress.ChunkProgress("index_training", "train chunks indexed")
         bar(1, 10)
         bar(2, 10)
         assert bar.artifact is not None
