@@ -14,6 +14,7 @@ from influence_core.layers import layer_type, select_layers
 from influence_core.objective import Objective
 from influence_core.task import LanguageModelling
 from influence_core.work import Work
+from tests.ekfac_checks import assert_ekfac_eigenvalues_are_exact
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -109,14 +110,7 @@ def test_gpt2_ekfac_eigenvalues_are_the_exact_curvature_in_its_eigenbasis(gpt2):
     exact Gauss-Newton block C (Direct's, built independently) and its Kronecker eigenbasis P."""
     layer = "transformer.h.1.attn.c_proj"
     ids = torch.randint(0, 20, (6, 5), generator=torch.Generator().manual_seed(5))
-    ekfac = EkfacInfluence(gpt2, LanguageModelling(modules=(layer,)), 1.0, fisher="exact").fit((ids, ids))
-    direct = DirectInfluence(gpt2, LanguageModelling(modules=(layer,)), 1.0, second_order_mode="gauss_newton").fit((ids, ids))
-    (tracked,) = ekfac.layers
-    state, factor = ekfac.solvers[tracked.block].state_dict(), direct.solvers["all"].factor
-    block = factor @ factor.T - torch.eye(len(factor), dtype=factor.dtype)
-    basis = tracked.to_flat(torch.einsum("os,ia->saoi", state["q_s"], state["q_a"]).reshape(-1, tracked.out_dim, tracked.in_dim))
-    expected = torch.diagonal(basis @ block @ basis.T)
-    torch.testing.assert_close(state["eigenvalues"].reshape(-1), expected, rtol=0, atol=1e-9 * float(expected.max()))
+    assert_ekfac_eigenvalues_are_exact(gpt2, layer, ids)
 
 
 def test_gpt2_tied_lm_head_is_left_out_of_kronecker_factors(gpt2):

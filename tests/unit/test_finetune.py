@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from influence_core import ConfigError, DirectInfluence, EkfacInfluence
+from influence_core import ConfigError, DirectInfluence
 from influence_core.contraction import GradientSplit, gradient_batch, materialise
 from influence_core.objective import Objective
 from influence_core.pipeline.model.models import with_lora
@@ -20,6 +20,7 @@ from influence_core.pipeline.specs import LoraSpec, ModelSpec
 from influence_core.task import LanguageModelling
 from influence_core.training import AdamRecipe, train
 from influence_core.work import Work
+from tests.ekfac_checks import assert_ekfac_eigenvalues_are_exact
 
 transformers = pytest.importorskip("transformers")
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup  # noqa: E402
@@ -137,14 +138,7 @@ def test_ekfac_eigenvalues_of_an_adapter_are_its_exact_curvature_in_its_eigenbas
     diag(Pᵀ C P) for its exact Gauss-Newton block C (Direct's, built independently) and its Kronecker eigenbasis P."""
     layer = "blocks.0.attention.query.lora_B.default"
     x = tokens(6, 5)
-    ekfac = EkfacInfluence(trained, LanguageModelling(modules=(layer,)), 1.0, fisher="exact").fit((x, x))
-    direct = DirectInfluence(trained, LanguageModelling(modules=(layer,)), 1.0, second_order_mode="gauss_newton").fit((x, x))
-    (tracked,) = ekfac.layers
-    state, factor = ekfac.solvers[tracked.block].state_dict(), direct.solvers["all"].factor
-    block = factor @ factor.T - torch.eye(len(factor), dtype=factor.dtype)
-    basis = tracked.to_flat(torch.einsum("os,ia->saoi", state["q_s"], state["q_a"]).reshape(-1, tracked.out_dim, tracked.in_dim))
-    expected = torch.diagonal(basis @ block @ basis.T)
-    torch.testing.assert_close(state["eigenvalues"].reshape(-1), expected, rtol=0, atol=1e-9 * float(expected.max()))
+    assert_ekfac_eigenvalues_are_exact(trained, layer, x)
 
 
 def test_target_modules_that_name_no_layer_are_refused_in_one_line() -> None:
