@@ -239,7 +239,7 @@ def test_question_deployment_answers_new_queries_from_a_runs_index(deployed, tmp
         final = wait_final(client, base.id)
         assert final.state.is_completed(), f"{final.state}: {open(deployed['WORKER_LOG']).read()[-4000:]}"
         question = client.read_deployment_by_name("influence-question/question")
-        assert question.enforce_parameter_schema and set(question.parameter_openapi_schema["properties"]) == {"run_url", "queries", "top_k", "search", "output_url", "storage"}
+        assert question.enforce_parameter_schema and set(question.parameter_openapi_schema["properties"]) == {"run_url", "queries", "top_k", "search", "output_url", "storage", "rerank"}
         asked = client.create_flow_run_from_deployment(question.id, parameters={"run_url": params.output_url, "queries": str(tmp_path / "new.npz"), "top_k": 3})
         final = wait_final(client, asked.id)
         assert final.state.is_completed(), f"{final.state}: {open(deployed['WORKER_LOG']).read()[-4000:]}"
