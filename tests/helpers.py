@@ -86,18 +86,19 @@ def shown_indices(output: str, column: int) -> list[list[int]]:
     return rows
 
 
+FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
 def latest_task_runs(output_url: str, last: str) -> dict[str, str]:
     """The latest flow run to `output_url`: each of its task runs' final state type (COMPLETED for a cache hit too,
-    FAILED), read back from the Prefect API once task run `last` is there and none is still RUNNING (the engine
-    reports states in the background: up to 60 s on a loaded machine)."""
+    FAILED), read back from the Prefect API once task run `last` is there and every task run has reached a final
+    state (the engine reports states in the background: PENDING or RUNNING for up to 60 s on a loaded machine)."""
     deadline = time.monotonic() + 60
     while True:
         with get_client(sync_client=True) as client:
             runs = [r for r in client.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=50) if r.parameters.get("output_url") == output_url]
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
         states = {t.name.rsplit("-", 1)[0]: t.state.type.value for t in tasks if t.state is not None}
-        if (last in states and "RUNNING" not in states.values()) or time.monotonic() > deadline:
+        if (last in states and set(states.values()) <= FINAL_STATES) or time.monotonic() > deadline:
             return states
         time.sleep(0.2)
-        time.sleep(0.2)
-    return states
