@@ -60,10 +60,11 @@ def test_custom_run_from_the_deployment_page(deployed, browser, tmp_path):
     property_input(page, "Training examples (Optional)", "input[type=number]").fill("300")
     property_input(page, "Top k (Optional)", "input[type=number]").fill("7")
     # the form is drawn: optional numbers and strings are inputs left blank, not the UI's type switch set to None;
-    # the one switch left is a real choice, the gradient projection (none, or a Projection's settings)
+    # the switches left are real choices: the gradient projection (none, or a Projection's settings) and the LoRA
+    # adapters (none: every weight trained, or a LoraSpec's settings)
     none_switch = 'Property is type "None"'
-    projection = page.get_by_text("Gradient projection (Optional)", exact=True).locator(CONTAINER)
-    assert page.get_by_text(none_switch).count() == projection.get_by_text(none_switch).count() == 1
+    choices = [page.get_by_text(title, exact=True).locator(CONTAINER) for title in ("Gradient projection (Optional)", "LoRA adapters (Optional)")]
+    assert page.get_by_text(none_switch).count() == 2 and [choice.get_by_text(none_switch).count() for choice in choices] == [1, 1]
     back_on_the_deployment = re.compile(r".*/deployments/deployment/[0-9a-f-]+(\?tab=Runs)?$")
     page.get_by_role("button", name="Submit").click()
     try:
