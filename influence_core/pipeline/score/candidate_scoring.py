@@ -58,7 +58,7 @@ class CandidateJob(ChunkJob):
         rows, position = np.unique(candidates[q, j], return_inverse=True)
         picked = torch.from_numpy(rows - lo)
         x, y = examples.take(examples.read(worker.x, slice(lo, hi)), picked), examples.read(worker.y, slice(lo, hi))[picked]
-        values = stored_scores(worker.entries(x, y, torch.from_numpy(q), torch.from_numpy(position)).detach().cpu().numpy().astype(np.float32), f"candidate scores of train chunk {index}")
+        values = stored_scores(worker.entries(x, y, torch.from_numpy(q), torch.from_numpy(position)).detach().cpu().numpy(), f"candidate scores of train chunk {index}", stage=self.stage.call.stage)
         entries = q * candidates.shape[1] + j
         save_npy(self.path("parts", f"{index}.npy"), np.stack([entries.astype(np.float64), values.astype(np.float64)]), self.options)
 

@@ -37,9 +37,9 @@ def check_finite(stage: str, values: torch.Tensor | np.ndarray, what: str, cause
     raise NonFiniteOutput(stage, f"{int((~finite).sum()):,} of {values.numel():,} {what} are NaN or infinite{largest}{named}: {cause}", fix)
 
 
-def stored_scores(values: np.ndarray, what: str, rows: str = "") -> np.ndarray:
-    """A chunk of compute_influences' scores as float32, as the output stores them, refused (`check_finite`) when it
-    holds NaN or infinity, a value beyond float32's range included."""
+def stored_scores(values: np.ndarray, what: str, rows: str = "", stage: str = "compute_influences") -> np.ndarray:
+    """A chunk of a scoring stage's scores (compute_influences', or rerank's) as float32, as the output stores them,
+    refused (`check_finite`) in `stage`'s name when it holds NaN or infinity, a value beyond float32's range included."""
     narrowed = values.astype(np.float32)
-    check_finite("compute_influences", narrowed, what, rows=rows)
+    check_finite(stage, narrowed, what, rows=rows)
     return narrowed
