@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -18,7 +19,7 @@ from prefect import Task, task as prefect_task
 from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
-from prefect.locking.filesystem import FileSystemLockManager
+from prefect.locking.filesystem import FileSystemLockManager, _LockInfo
 from prefect.settings import PREFECT_HOME
 
 from influence_core.pipeline.store.stage import StageInput
@@ -48,7 +49,9 @@ class CrashSafeLockManager(FileSystemLockManager):
     """File locks that a killed process cannot keep: each lock file also records the host and pid that took it,
     and a lock whose process on this host no longer exists is broken, so a run resumed after SIGKILL does not wait
     forever for its dead predecessor. (Prefect's holders are opaque ids, so the pid is added here.) It also notes
-    which locks were taken after another holder let go (`waited`): that holder may have just written the output."""
+    which locks were taken after another holder let go (`waited`): that holder may have just written the output.
+    Prefect creates a lock file empty and writes its record after; a reader in between sees a held lock whose record
+    is not there yet, never a JSON error, and the pid is added by an atomic replace, so the record is never empty."""
 
     def acquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None, hold_timeout: Optional[float] = None) -> bool:
         held = self.is_locked(key)
@@ -56,7 +59,9 @@ class CrashSafeLockManager(FileSystemLockManager):
         if acquired:
             path = self._lock_path_for_key(key)
             record = json.loads(path.read_bytes())
-            path.write_text(json.dumps({**record, "host": socket.gethostname(), "pid": os.getpid()}))
+            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+            partial.write_text(json.dumps({**record, "host": socket.gethostname(), "pid": os.getpid()}))
+            os.replace(partial, path)
             with _WAITED_LOCK:
                 (_WAITED.add if held else _WAITED.discard)(key)
         return acquired
@@ -72,6 +77,17 @@ class CrashSafeLockManager(FileSystemLockManager):
             self._locks.pop(key, None)
             return False
         return super().is_locked(key, use_cache)
+
+    def _get_lock_info(self, key: str, use_cache: bool = True) -> Optional[_LockInfo]:
+        for _ in range(_RECORD_WAITS):
+            try:
+                return super()._get_lock_info(key, use_cache)
+            except ValueError:  # created, its record not yet written
+                time.sleep(0.01)
+        return {"holder": "", "expiration": None, "path": self._lock_path_for_key(key)}  # held; holder unknown
+
+
+_RECORD_WAITS = 100  # 1 s for a lock's holder to write its record
 
 
 def waited(key: str) -> bool:

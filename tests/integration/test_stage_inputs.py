@@ -59,3 +59,16 @@ def test_a_stage_whose_lock_was_held_by_another_run_reads_its_manifest_again(tmp
     locks.release_lock(key, "this run")
     assert locks.acquire_lock(key, "this run") and not waited(key)  # taken at once: the check is trusted
     locks.release_lock(key, "this run")
+
+
+def test_a_lock_file_whose_record_is_not_yet_written_is_a_held_lock(tmp_path):
+    locks = CrashSafeLockManager(tmp_path / "locks")
+    path = tmp_path / "locks" / "k.lock"
+    path.parent.mkdir()
+    path.touch()  # Prefect's acquire creates the file, then writes its record
+    assert locks.is_locked("k")
+    assert not locks.acquire_lock("k", "this run", acquire_timeout=0.3)
+    path.unlink()  # the other holder let go
+    assert locks.acquire_lock("k", "this run") and locks.is_lock_holder("k", "this run")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["k.lock"]  # the pid was added in place
+    locks.release_lock("k", "this run")
