@@ -28,8 +28,8 @@ demo-text: $(STAMP)
 # `make test-e2e` runs those, and .ci/run runs both. Exit code 5 (no test selected) is not a failure.
 # test-e2e runs two test files at a time (pytest-xdist, one file per worker): its tests spend much of their time
 # waiting on servers, workers and subprocesses (676 s in one process on CI, 543 s on two here). The browser test runs
-# after them, alone: beside another file's runs, the UI's form once did not submit within 60 s. `make test` stays in
-# one process: its tests are CPU-bound, and two workers on 2 cores took longer than one.
+# after them, alone: beside another file's runs, the UI's form once did not submit within 60 s. `make test` runs two
+# files at a time as well: many of its tests also wait on a Prefect API, a Dask cluster or a moto server.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not e2e and not slow" --durations=15 || [ $$? -eq 5 ]
 
