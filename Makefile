@@ -29,7 +29,8 @@ demo-text: $(STAMP)
 # test-e2e runs two test files at a time (pytest-xdist, one file per worker): its tests spend much of their time
 # waiting on servers, workers and subprocesses (676 s in one process on CI, 543 s on two here). The browser test runs
 # after them, alone: beside another file's runs, the UI's form once did not submit within 60 s. `make test` runs two
-# files at a time as well: many of its tests also wait on a Prefect API, a Dask cluster or a moto server.
+# files at a time as well: many of its tests also wait on a Prefect API, a Dask cluster or a moto server. Each worker's
+# torch takes its share of the cores (tests/conftest.py): two workers of 2 threads on 2 cores took 764 s, of 1, 501 s.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not e2e and not slow" --durations=15 || [ $$? -eq 5 ]
 

@@ -22,6 +22,20 @@ os.environ.update(
 )
 
 
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker's torch gets its share of the cores for intra-op threads: two workers of 2
+    threads each on 2 cores spin on each other (five unit-test files: 211 s, against 45 s at 1 thread each)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_share_the_cores()
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A moto S3 server on a free port of 127.0.0.1; s3fs reaches it through endpoint_url."""

@@ -3,7 +3,10 @@ small MLP on digits, each trained to a tight optimum in float64 so influence fun
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass
+from typing import Callable, ParamSpec
 
 import numpy as np
 import torch
@@ -26,6 +29,26 @@ class Problem:
     @property
     def train(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x_train, self.y_train
+
+
+P = ParamSpec("P")
+
+
+def fitted_once(make: Callable[P, Problem]) -> Callable[P, Problem]:
+    """Fit a problem once per process and arguments: each call gets its own copy, and torch's global generator is
+    left as the fit left it, so a test sees exactly what a fresh fit would give it."""
+
+    @functools.cache
+    def fitted(*args: P.args, **kwargs: P.kwargs) -> tuple[Problem, torch.Tensor]:
+        return make(*args, **kwargs), torch.get_rng_state()
+
+    @functools.wraps(make)
+    def fresh(*args: P.args, **kwargs: P.kwargs) -> Problem:
+        problem, rng = fitted(*args, **kwargs)
+        torch.set_rng_state(rng)
+        return copy.deepcopy(problem)
+
+    return fresh
 
 
 def objective(model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tensor, weight_decay: float) -> torch.Tensor:
@@ -76,6 +99,7 @@ def linear_regression(n: int = 80, d: int = 6, n_test: int = 10) -> Problem:
     return Problem("linear regression", model, "mse", x[:n], y[:n], x[n:], y[n:], 0.0)
 
 
+@fitted_once
 def logistic_regression(n_train: int = 300, n_test: int = 20, weight_decay: float = 1e-2) -> Problem:
     x, y, xt, yt = digits(n_train, n_test)
     torch.manual_seed(0)
@@ -84,6 +108,7 @@ def logistic_regression(n_train: int = 300, n_test: int = 20, weight_decay: floa
     return Problem("L2 logistic regression (digits)", model, "cross_entropy", x, y, xt, yt, weight_decay)
 
 
+@fitted_once
 def mlp(n_train: int = 300, n_test: int = 20, hidden: int = 8, weight_decay: float = 1e-2) -> Problem:
     x, y, xt, yt = digits(n_train, n_test)
     torch.manual_seed(0)
@@ -106,12 +131,14 @@ def adam_digits(name: str, model: nn.Module, image: bool, steps: int = 500) -> P
 
 
 # Initialised in float32, then cast: the same model whatever torch's default dtype (the benchmarks set float64).
+@fitted_once
 def adam_mlp() -> Problem:
     torch.manual_seed(0)
     f32 = {"dtype": torch.float32}
     return adam_digits("MLP 64-32-10 (tanh, Adam)", nn.Sequential(nn.Linear(64, 32, **f32), nn.Tanh(), nn.Linear(32, 10, **f32)).double(), image=False)
 
 
+@fitted_once
 def adam_cnn() -> Problem:
     torch.manual_seed(0)
     f32 = {"dtype": torch.float32}

@@ -66,7 +66,8 @@ def test_a_lock_file_whose_record_is_not_yet_written_is_a_held_lock(tmp_path):
     path = tmp_path / "locks" / "k.lock"
     path.parent.mkdir()
     path.touch()  # Prefect's acquire creates the file, then writes its record
-    assert locks.is_locked("k")
+    threading.Timer(0.05, path.write_text, ('{"holder": "other run", "expiration": null}',)).start()
+    assert locks.is_locked("k") and not locks.is_lock_holder("k", "this run")
     assert not locks.acquire_lock("k", "this run", acquire_timeout=0.3)
     path.unlink()  # the other holder let go
     assert locks.acquire_lock("k", "this run") and locks.is_lock_holder("k", "this run")
