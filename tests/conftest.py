@@ -9,9 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
-# Credentials for the local S3 server come from the environment, as in production; they are dummies here.
+# Credentials for the local S3 server come from the environment, as in production; they are dummies here. Stage locks
+# are this test process's own: xdist workers running the same small run at once would otherwise wait on each other's
+# locks (tests of concurrent runs give their subprocesses a lock folder of their own).
 os.environ.update(
     {
+        "INFLUENCE_LOCK_DIR": tempfile.mkdtemp(prefix="influence-locks-"),
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
