@@ -51,7 +51,8 @@ class CrashSafeLockManager(FileSystemLockManager):
     forever for its dead predecessor. (Prefect's holders are opaque ids, so the pid is added here.) It also notes
     which locks were taken after another holder let go (`waited`): that holder may have just written the output.
     Prefect creates a lock file empty and writes its record after; a reader in between sees a held lock whose record
-    is not there yet, never a JSON error, and the pid is added by an atomic replace, so the record is never empty."""
+    is not there yet, never a JSON error (one still empty after 10 s is a killed holder's, and broken), and the pid
+    is added by an atomic replace, so the record is never empty."""
 
     def acquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None, hold_timeout: Optional[float] = None) -> bool:
         held = self.is_locked(key)
@@ -84,10 +85,19 @@ class CrashSafeLockManager(FileSystemLockManager):
                 return super()._get_lock_info(key, use_cache)
             except ValueError:  # created, its record not yet written
                 time.sleep(0.01)
-        return {"holder": "", "expiration": None, "path": self._lock_path_for_key(key)}  # held; holder unknown
+        path = self._lock_path_for_key(key)
+        try:
+            age = time.time() - path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        if age > _ABANDONED_SECONDS:  # its holder died between creating the file and writing its record
+            path.unlink(missing_ok=True)
+            return None
+        return {"holder": "", "expiration": None, "path": path}  # held; holder unknown
 
 
 _RECORD_WAITS = 20  # 0.2 s for a lock's holder to write its record, which it does at once
+_ABANDONED_SECONDS = 10.0  # a lock file still without its record this long after it was created has no live holder
 
 
 def waited(key: str) -> bool:

@@ -3,7 +3,9 @@ stage whose lock was held by another run reads its manifest again, finding that 
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -72,4 +74,15 @@ def test_a_lock_file_whose_record_is_not_yet_written_is_a_held_lock(tmp_path):
     path.unlink()  # the other holder let go
     assert locks.acquire_lock("k", "this run") and locks.is_lock_holder("k", "this run")
     assert sorted(p.name for p in path.parent.iterdir()) == ["k.lock"]  # the pid was added in place
+    locks.release_lock("k", "this run")
+
+
+def test_a_lock_file_left_without_its_record_by_a_killed_holder_is_broken(tmp_path):
+    locks = CrashSafeLockManager(tmp_path / "locks")
+    path = tmp_path / "locks" / "k.lock"
+    path.parent.mkdir()
+    path.touch()
+    os.utime(path, (time.time() - 60, time.time() - 60))  # created a minute ago, by a process killed before its write
+    assert not locks.is_locked("k")
+    assert locks.acquire_lock("k", "this run", acquire_timeout=0.3) and locks.is_lock_holder("k", "this run")
     locks.release_lock("k", "this run")
